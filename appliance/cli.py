@@ -1,0 +1,274 @@
+"""b70ctl: render, install and switch the appliance's systemd units.
+
+One click group, one short function per command, one error handler (`main`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from appliance import config as config_mod
+from appliance import output
+from appliance.config import Config, Scope
+from appliance.errors import ApplianceError
+
+
+@dataclasses.dataclass
+class Context:
+    config_path: Path | None
+    scope: Scope
+    debug: bool
+    json: bool = False
+
+    def config(self) -> Config:
+        return config_mod.load(self.config_path or config_mod.default_config_path(self.scope))
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+
+
+def with_json(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Adds --json and records it on the context, so errors are printed as JSON too."""
+
+    @json_option
+    @click.pass_obj
+    def wrapper(ctx: Context, as_json: bool, **kwargs: Any) -> Any:
+        ctx.json = as_json
+        return fn(ctx, **kwargs)
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+class ApplianceGroup(click.Group):
+    """Handles ApplianceError once, for every command: message and hint, or the JSON envelope."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ApplianceError as e:
+            obj = ctx.obj
+            if obj is not None and obj.debug:
+                raise
+            if obj is not None and obj.json:
+                output.emit_json_error(e)
+            else:
+                output.emit_error(e)
+            ctx.exit(e.exit_code)
+
+
+@click.group(cls=ApplianceGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option(
+    "--config", "config_path", type=click.Path(path_type=Path), envvar="B70_CONFIG",
+    help="The appliance config (default /etc/b70/appliance.toml; with --user "
+    "~/.config/b70/appliance.toml). Env: B70_CONFIG.",
+)  # fmt: skip
+@click.option("--user", "user_scope", is_flag=True, envvar="B70_USER",
+              help="Use the user's systemd manager instead of the system one. Env: B70_USER=1.")  # fmt: skip
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.version_option(package_name="b70-appliance")
+@click.pass_context
+def cli(ctx: click.Context, config_path: Path | None, user_scope: bool, debug: bool) -> None:
+    """Run vLLM and llama.cpp on an Intel Arc Pro B70 under systemd, behind one proxy on :8000.
+
+    \b
+    Example:
+      b70ctl install && b70ctl switch llamacpp && b70ctl status
+    """
+    ctx.obj = Context(config_path, Scope.USER if user_scope else Scope.SYSTEM, debug)
+
+
+@cli.command()
+@click.option("--out", type=click.Path(path_type=Path), help="Write the files into this directory.")
+@click.option("--diff", is_flag=True, help="Show how the rendered files differ from the installed ones.")
+@click.pass_obj
+def render(ctx: Context, out: Path | None, diff: bool) -> None:
+    """Render the units and the proxy config from the config file.
+
+    \b
+    Example:
+      b70ctl --config examples/b70.toml render --out /tmp/units
+      b70ctl render --diff
+    """
+    from appliance import ops
+    from appliance.render import layout, render_all, write_atomic
+
+    config = ctx.config()
+    if diff:
+        text = ops.render_diff(config, ctx.scope)
+        click.echo(text, nl=False)
+        sys.exit(1 if text else 0)
+    files = render_all(config, layout(ctx.scope))
+    if out is None:
+        for name, text in files.items():
+            click.echo(f"# ---- {name}\n{text}")
+        return
+    for name, text in files.items():
+        write_atomic(out / name, text)
+    click.echo("\n".join(str(out / name) for name in files))
+
+
+@cli.command()
+@click.option("--now/--no-now", default=True, show_default=True,
+              help="Start the proxy and, if none runs, the default runtime.")  # fmt: skip
+@with_json
+def install(ctx: Context, now: bool) -> None:
+    """Install the rendered units, then daemon-reload and enable them.
+
+    Verifies the units with systemd-analyze first and writes nothing if that fails. Creates the
+    proxy's master key file (mode 0600) if it does not exist yet.
+
+    \b
+    Example:
+      sudo b70ctl install
+      b70ctl --user --config examples/demo.toml install
+    """
+    from appliance import ops
+
+    result = ops.install(ctx.config(), ctx.scope, now, output.progress)
+    if ctx.json:
+        output.emit_json(dataclasses.asdict(result))
+        return
+    for path in result.written:
+        click.echo(f"wrote {path}")
+    if not result.written:
+        click.echo("every file was already current")
+    if result.key_created:
+        click.echo("created the proxy key file")
+    click.echo(f"enabled {', '.join(result.enabled)}")
+    for unit in result.started:
+        click.echo(f"started {unit}")
+    for note in result.notes:
+        click.echo(f"note: {note}")
+
+
+@cli.command()
+@click.option("--purge", is_flag=True, help="Also delete the proxy key and the switch records.")
+@with_json
+def uninstall(ctx: Context, purge: bool) -> None:
+    """Stop and disable every b70 unit and remove the installed files.
+
+    \b
+    Example:
+      sudo b70ctl uninstall --purge
+    """
+    from appliance import ops
+
+    removed = ops.uninstall(ctx.config(), ctx.scope, purge)
+    if ctx.json:
+        output.emit_json({"removed": removed})
+        return
+    for path in removed:
+        click.echo(f"removed {path}")
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--restart", is_flag=True, help="Restart NAME even if it is already serving.")
+@with_json
+def switch(ctx: Context, name: str, restart: bool) -> None:
+    """Make runtime NAME the one serving, or roll back to the previous one and fail.
+
+    \b
+    Example:
+      sudo b70ctl switch llamacpp
+    """
+    from appliance import ops
+
+    progress = output.progress if sys.stderr.isatty() or not ctx.json else ops.no_progress
+    result = ops.switch(ctx.config(), ctx.scope, name, restart, progress)
+    data = dataclasses.asdict(result)
+    data.pop("journal")
+    if ctx.json:
+        output.emit_json(data)
+    else:
+        click.echo(output.render_switch(data))
+
+
+@cli.command()
+@with_json
+def status(ctx: Context) -> None:
+    """Show which runtime serves, every b70 unit, health, and the last switch.
+
+    \b
+    Example:
+      b70ctl status --json | jq .result.active_runtime
+    """
+    from appliance import ops
+
+    result = ops.status(ctx.config(), ctx.scope)
+    if ctx.json:
+        output.emit_json(result)
+    else:
+        click.echo(output.render_status(result))
+
+
+@cli.command()
+@click.argument("name")
+@click.option("-n", "--lines", default=100, show_default=True, help="How many lines.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.pass_obj
+def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
+    """Show the journal of runtime NAME, or of the proxy (NAME: proxy).
+
+    \b
+    Example:
+      b70ctl logs vllm -n 50
+    """
+    from appliance import systemd
+    from appliance.render import PROXY_UNIT
+
+    config = ctx.config()
+    unit = PROXY_UNIT if name in {"proxy", "litellm"} else config.runtime(name).unit
+    argv = systemd.journal_command(ctx.scope, unit, lines, follow)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        raise ApplianceError(f"cannot run journalctl: {e.strerror}", hint="install systemd") from None
+
+
+@cli.group(hidden=True)
+def unit() -> None:
+    """Gates that the rendered units run around their main process (not for people)."""
+
+
+@unit.command("pre")
+@click.option("--port", type=int, required=True)
+@click.option("--host", default="127.0.0.1")
+@click.option("--wait", "wait_s", type=float, default=10.0)
+def unit_pre(port: int, host: str, wait_s: float) -> None:
+    """ExecStartPre: the backend port must be free."""
+    from appliance import unitgate
+
+    unitgate.pre(port, wait_s)
+
+
+@unit.command("ready")
+@click.option("--url", required=True)
+@click.option("--engine", required=True)
+@click.option("--pid", type=int, required=True)
+@click.option("--container")
+@click.option("--container-cli")
+def unit_ready(url: str, engine: str, pid: int, container: str | None, container_cli: str | None) -> None:
+    """ExecStartPost: wait until URL is healthy and served by PID's own process tree."""
+    from urllib.parse import urlsplit
+
+    from appliance import unitgate
+
+    port = urlsplit(url).port
+    if port is None:
+        raise ApplianceError(f"--url {url} names no port")
+    unitgate.ready(unitgate.ReadyTarget(url, engine, port, pid, container, container_cli))
+
+
+def main() -> None:
+    """The console script."""
+    cli()

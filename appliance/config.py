@@ -1,0 +1,410 @@
+"""The appliance configuration: one TOML file, loaded into frozen dataclasses and validated.
+
+Every error names the file, the key and what is wrong. Loading never writes anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from appliance.errors import ConfigError
+
+SYSTEM_CONFIG = Path("/etc/b70/appliance.toml")
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+GIB = 1024**3
+
+
+class Engine(StrEnum):
+    VLLM = "vllm"
+    LLAMACPP = "llamacpp"
+
+
+class Launcher(StrEnum):
+    NATIVE = "native"
+    DOCKER = "docker"
+    PODMAN = "podman"
+
+
+class Scope(StrEnum):
+    SYSTEM = "system"
+    USER = "user"
+
+
+# Flags the appliance sets itself from [proxy] and [backend]; a runtime's `args` may not set them.
+RESERVED_FLAGS: dict[Engine, frozenset[str]] = {
+    Engine.LLAMACPP: frozenset(
+        {"--host", "--port", "--model", "-m", "--alias", "-a", "--mmproj", "--metrics"}
+    ),
+    Engine.VLLM: frozenset({"--host", "--port", "--model", "--served-model-name"}),
+}
+DEFAULT_COMMAND: dict[Engine, tuple[str, ...]] = {
+    Engine.LLAMACPP: ("llama-server",),
+    Engine.VLLM: ("vllm", "serve"),
+}
+DEFAULT_START_TIMEOUT_S: dict[Engine, float] = {Engine.LLAMACPP: 300.0, Engine.VLLM: 900.0}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "b70"
+    aliases: tuple[str, ...] = ()
+    hold_s: float = 300.0
+    workers: int = 1
+    litellm: str | None = None  # the litellm executable; default: beside b70ctl
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8001
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    device: str = "auto"
+    memory_needed_bytes: int = 0
+    release_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    name: str
+    engine: Engine
+    launcher: Launcher
+    model: str
+    command: tuple[str, ...] = ()
+    image: str | None = None
+    mmproj: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    volumes: tuple[str, ...] = ()
+    shm_size: str | None = None
+    start_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0
+    restart_burst: int = 3
+
+    @property
+    def unit(self) -> str:
+        return f"b70-{self.name}.service"
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    default_runtime: str
+    proxy: ProxyConfig
+    backend: BackendConfig
+    gpu: GpuConfig
+    runtimes: Mapping[str, RuntimeConfig]
+    b70ctl: str
+    docker: str = "/usr/bin/docker"
+    podman: str = "/usr/bin/podman"
+
+    def runtime(self, name: str) -> RuntimeConfig:
+        try:
+            return self.runtimes[name]
+        except KeyError:
+            known = ", ".join(sorted(self.runtimes))
+            raise ConfigError(
+                f"{self.path}: there is no runtime named {name!r}",
+                hint=f"configured runtimes: {known}",
+            ) from None
+
+
+def default_config_path(scope: Scope) -> Path:
+    env = os.environ.get("B70_CONFIG")
+    if env:
+        return Path(env)
+    if scope is Scope.USER:
+        base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        return Path(base) / "b70" / "appliance.toml"
+    return SYSTEM_CONFIG
+
+
+def default_b70ctl() -> str:
+    import sys
+
+    return str(Path(sys.executable).parent / "b70ctl")
+
+
+def load(path: Path) -> Config:
+    """Read and validate one configuration file."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"{path}: no such configuration file",
+            hint="copy examples/demo.toml or examples/b70.toml there, or pass --config",
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror}") from None
+    return parse(text, path)
+
+
+def parse(text: str, path: Path) -> Config:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}", hint="fix the syntax at that line") from None
+    return _Reader(path).config(data)
+
+
+T = TypeVar("T")
+
+
+class _Reader:
+    """Walks the parsed TOML; every error carries the file and the dotted key."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, what: str, hint: str | None = None) -> ConfigError:
+        return ConfigError(f"{self.path}: {key}: {what}", hint=hint)
+
+    def table(self, data: Mapping[str, Any], key: str, prefix: str = "") -> Mapping[str, Any]:
+        value = data.get(key, {})
+        if not isinstance(value, dict):
+            raise self.fail(prefix + key, f"must be a table, not {_kind(value)}")
+        return value
+
+    def known(self, data: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
+        for key in data:
+            if key not in allowed:
+                raise self.fail(
+                    prefix + key, "unknown key", hint="known keys here: " + ", ".join(sorted(allowed))
+                )
+
+    def get(
+        self,
+        data: Mapping[str, Any],
+        key: str,
+        prefix: str,
+        kind: type[T],
+        default: T | None = None,
+        check: Callable[[T], str | None] | None = None,
+    ) -> T:
+        full = prefix + key
+        if key not in data:
+            if default is None:
+                raise self.fail(full, "missing", hint=f"add {key} = ... to the file")
+            return default
+        value = data[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(full, f"must be {_article(kind)}, not {_kind(value)} ({value!r})")
+        if check is not None:
+            problem = check(value)
+            if problem:
+                raise self.fail(full, problem)
+        return value
+
+    def strings(self, data: Mapping[str, Any], key: str, prefix: str) -> tuple[str, ...]:
+        value = data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.fail(prefix + key, f"must be a list of strings, not {value!r}")
+        return tuple(value)
+
+    def config(self, data: Mapping[str, Any]) -> Config:
+        top = {"default_runtime", "b70ctl", "docker", "podman", "proxy", "backend", "gpu", "runtimes"}
+        self.known(data, "", top)
+        proxy = self.proxy(self.table(data, "proxy"))
+        backend = self.backend(self.table(data, "backend"))
+        if backend.port == proxy.port and backend.host in {proxy.host, "0.0.0.0", "127.0.0.1"}:
+            raise self.fail("backend.port", f"{backend.port} is also proxy.port", "use two ports")
+        gpu = self.gpu(self.table(data, "gpu"))
+        runtimes_table = self.table(data, "runtimes")
+        if not runtimes_table:
+            raise self.fail("runtimes", "no runtime is configured", "add a [runtimes.NAME] table")
+        runtimes = {
+            name: self.runtime(name, self.table(runtimes_table, name, "runtimes."))
+            for name in runtimes_table
+        }
+        default = self.get(data, "default_runtime", "", str)
+        if default not in runtimes:
+            raise self.fail(
+                "default_runtime",
+                f"{default!r} is not a configured runtime",
+                "one of: " + ", ".join(sorted(runtimes)),
+            )
+        return Config(
+            path=self.path,
+            default_runtime=default,
+            proxy=proxy,
+            backend=backend,
+            gpu=gpu,
+            runtimes=runtimes,
+            b70ctl=self.path_value(data, "b70ctl", "", default_b70ctl()),
+            docker=self.path_value(data, "docker", "", "/usr/bin/docker"),
+            podman=self.path_value(data, "podman", "", "/usr/bin/podman"),
+        )
+
+    def path_value(self, data: Mapping[str, Any], key: str, prefix: str, default: str) -> str:
+        value = os.path.expanduser(self.get(data, key, prefix, str, default))
+        if not os.path.isabs(value):
+            raise self.fail(prefix + key, f"{value!r} must be an absolute path")
+        return value
+
+    def proxy(self, t: Mapping[str, Any]) -> ProxyConfig:
+        p = "proxy."
+        self.known(t, p, {"host", "port", "model", "aliases", "hold_s", "workers", "litellm"})
+        model = self.get(t, "model", p, str, "b70", _model_name)
+        aliases = self.strings(t, "aliases", p)
+        for alias in aliases:
+            if (problem := _model_name(alias)) or alias == model:
+                raise self.fail(p + "aliases", f"{alias!r}: {problem or 'repeats proxy.model'}")
+        litellm = self.path_value(t, "litellm", p, "/") if "litellm" in t else None
+        return ProxyConfig(
+            host=self.get(t, "host", p, str, "127.0.0.1", _host),
+            port=self.get(t, "port", p, int, 8000, _port),
+            model=model,
+            aliases=aliases,
+            hold_s=self.get(t, "hold_s", p, float, 300.0, _positive),
+            workers=self.get(t, "workers", p, int, 1, lambda v: None if 1 <= v <= 64 else "1-64"),
+            litellm=litellm,
+        )
+
+    def backend(self, t: Mapping[str, Any]) -> BackendConfig:
+        p = "backend."
+        self.known(t, p, {"host", "port"})
+        host = self.get(t, "host", p, str, "127.0.0.1", _host)
+        return BackendConfig(host=host, port=self.get(t, "port", p, int, 8001, _port))
+
+    def gpu(self, t: Mapping[str, Any]) -> GpuConfig:
+        p = "gpu."
+        self.known(t, p, {"device", "memory_needed_gib", "release_timeout_s"})
+        needed = self.get(t, "memory_needed_gib", p, float, 0.0, _non_negative)
+        return GpuConfig(
+            device=self.get(t, "device", p, str, "auto", _pci_address),
+            memory_needed_bytes=int(needed * GIB),
+            release_timeout_s=self.get(t, "release_timeout_s", p, float, 120.0, _positive),
+        )
+
+    def runtime(self, name: str, t: Mapping[str, Any]) -> RuntimeConfig:
+        p = f"runtimes.{name}."
+        if not NAME_RE.match(name):
+            raise self.fail(
+                f"runtimes.{name}", "a runtime name is 1-32 of a-z, 0-9 and '-'", "e.g. vllm-tp4"
+            )
+        allowed = {
+            "engine", "launcher", "model", "command", "image", "mmproj", "env", "args",
+            "devices", "volumes", "shm_size", "start_timeout_s", "stop_timeout_s",
+            "restart_burst",
+        }  # fmt: skip
+        self.known(t, p, allowed)
+        engine = self.choice(t, "engine", p, Engine, None)
+        launcher = self.choice(t, "launcher", p, Launcher, Launcher.NATIVE)
+        args = self.strings(t, "args", p)
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in RESERVED_FLAGS[engine]:
+                raise self.fail(
+                    p + "args",
+                    f"sets {flag}, which the appliance sets itself",
+                    "the port and host come from [backend], the model name from [proxy], "
+                    "the model from runtimes.NAME.model",
+                )
+        env_table = self.table(t, "env", p)
+        for key, value in env_table.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+                raise self.fail(p + "env." + key, "not a valid environment variable name")
+            if not isinstance(value, str):
+                raise self.fail(p + "env." + key, f"must be a string, not {_kind(value)}")
+        command = tuple(os.path.expanduser(c) for c in self.strings(t, "command", p))
+        image = self.get(t, "image", p, str, "") or None
+        if launcher is Launcher.NATIVE:
+            if image:
+                raise self.fail(p + "image", "only container launchers use an image")
+            command = command or DEFAULT_COMMAND[engine]
+        else:
+            if not image:
+                raise self.fail(p + "image", f"missing: the {launcher} launcher runs an image")
+            if command:
+                raise self.fail(p + "command", "container launchers run the image's entrypoint")
+        mmproj = self.get(t, "mmproj", p, str, "") or None
+        if mmproj and engine is not Engine.LLAMACPP:
+            raise self.fail(p + "mmproj", "only the llamacpp engine takes a vision projector")
+        model = os.path.expanduser(self.get(t, "model", p, str, None, _nonempty))
+        start_default = DEFAULT_START_TIMEOUT_S[engine]
+        return RuntimeConfig(
+            name=name,
+            engine=engine,
+            launcher=launcher,
+            model=model,
+            command=command,
+            image=image,
+            mmproj=os.path.expanduser(mmproj) if mmproj else None,
+            env=dict(env_table),
+            args=args,
+            devices=self.strings(t, "devices", p),
+            volumes=self.strings(t, "volumes", p),
+            shm_size=self.get(t, "shm_size", p, str, "") or None,
+            start_timeout_s=self.get(t, "start_timeout_s", p, float, start_default, _positive),
+            stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, _positive),
+            restart_burst=self.get(t, "restart_burst", p, int, 3, lambda v: None if v >= 1 else ">= 1"),
+        )
+
+    def choice(
+        self, t: Mapping[str, Any], key: str, prefix: str, enum: type[StrEnum], default: Any
+    ) -> Any:
+        value = self.get(t, key, prefix, str, default.value if default else None)
+        try:
+            return enum(value)
+        except ValueError:
+            options = ", ".join(e.value for e in enum)
+            raise self.fail(prefix + key, f"{value!r} is not one of: {options}") from None
+
+
+def _kind(value: object) -> str:
+    return {dict: "a table", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _article(kind: type) -> str:
+    return {int: "an integer", float: "a number", str: "a string"}.get(kind, kind.__name__)
+
+
+def _port(value: int) -> str | None:
+    return None if 1 <= value <= 65535 else f"{value} is not a TCP port (1-65535)"
+
+
+def _positive(value: float) -> str | None:
+    return None if value > 0 else f"{value} must be greater than 0"
+
+
+def _non_negative(value: float) -> str | None:
+    return None if value >= 0 else f"{value} must not be negative"
+
+
+def _nonempty(value: str) -> str | None:
+    return None if value.strip() else "must not be empty"
+
+
+def _host(value: str) -> str | None:
+    if re.match(r"^[A-Za-z0-9.:-]+$", value):
+        return None
+    return f"{value!r} is not a host name or address"
+
+
+def _model_name(value: str) -> str | None:
+    if MODEL_NAME_RE.match(value):
+        return None
+    return f"{value!r} is not a model name (letters, digits and . _ : / -)"
+
+
+def _pci_address(value: str) -> str | None:
+    if value == "auto" or re.match(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", value):
+        return None
+    return f"{value!r} is neither 'auto' nor a PCI address such as 0000:03:00.0"

@@ -1,0 +1,505 @@
+"""Operations: render, install, switch, status. They apply decisions through the edges."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import secrets
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance import health, runtimes, state, systemd
+from appliance.config import Config, Engine, Launcher, RuntimeConfig, Scope
+from appliance.errors import ApplianceError
+from appliance.render import (
+    PROXY_CONFIG,
+    PROXY_UNIT,
+    Layout,
+    changed_files,
+    layout,
+    render_all,
+    write_atomic,
+)
+
+Progress = Callable[[str, str], None]
+POLL_S = 0.1
+VERIFY_PROMPT = "Reply with one word: ready"
+
+
+def no_progress(phase: str, detail: str) -> None:
+    pass
+
+
+# --- render and install ------------------------------------------------------------------------
+
+
+def render_diff(config: Config, scope: Scope) -> str:
+    lay = layout(scope)
+    chunks = []
+    for name, text in render_all(config, lay).items():
+        dest = lay.destination(name)
+        try:
+            current = dest.read_text().splitlines(keepends=True)
+        except FileNotFoundError:
+            current = []
+        chunks += difflib.unified_diff(
+            current, text.splitlines(keepends=True), str(dest), f"{dest} (rendered)"
+        )
+    return "".join(chunks)
+
+
+def verify_units(files: dict[str, str], scope: Scope) -> None:
+    """`systemd-analyze verify` on the rendered units; any output at all is a failure."""
+    with tempfile.TemporaryDirectory(prefix="b70-verify.") as tmp:
+        paths = []
+        for name, text in files.items():
+            if name.endswith(".service"):
+                (Path(tmp) / name).write_text(text)
+                paths.append(str(Path(tmp) / name))
+        argv = ["systemd-analyze", "verify", "--man=no"]
+        if scope is Scope.USER:
+            argv.insert(1, "--user")
+        try:
+            out = subprocess.run(argv + paths, capture_output=True, text=True, timeout=60)
+        except FileNotFoundError:
+            raise ApplianceError(
+                "systemd-analyze is not installed", hint="install systemd", code="verify_failed"
+            ) from None
+        text = (out.stdout + out.stderr).replace(tmp + "/", "")
+        if out.returncode != 0 or text.strip():
+            raise ApplianceError(
+                "the rendered units do not pass `systemd-analyze verify`; nothing was installed:\n"
+                + text.strip(),
+                hint="fix what it names in the config (a missing executable, a bad value)",
+                code="verify_failed",
+            )
+
+
+def read_key(lay: Layout) -> str:
+    try:
+        text = lay.key_file.read_text()
+    except FileNotFoundError:
+        raise ApplianceError(
+            f"the proxy key file {lay.key_file} does not exist", hint="run `b70ctl install`",
+            code="not_installed",
+        ) from None
+    except PermissionError:
+        raise ApplianceError(
+            f"cannot read the proxy key file {lay.key_file}", hint="run as root (or with --user)",
+            code="permission_denied",
+        ) from None
+    for line in text.splitlines():
+        if line.startswith("LITELLM_MASTER_KEY="):
+            return line.split("=", 1)[1].strip()
+    raise ApplianceError(
+        f"{lay.key_file} holds no LITELLM_MASTER_KEY=", hint="delete it and run `b70ctl install`",
+        code="not_installed",
+    )
+
+
+def ensure_key(lay: Layout) -> bool:
+    if lay.key_file.exists():
+        return False
+    key = "sk-b70-" + secrets.token_urlsafe(32)
+    write_atomic(lay.key_file, f"LITELLM_MASTER_KEY={key}\n", mode=0o600)
+    return True
+
+
+@dataclass
+class InstallResult:
+    scope: str
+    written: list[str]
+    unchanged: list[str]
+    key_created: bool
+    enabled: list[str]
+    started: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def install(config: Config, scope: Scope, now: bool, progress: Progress = no_progress) -> InstallResult:
+    lay = layout(scope)
+    files = render_all(config, lay)
+    verify_units(files, scope)  # before anything is written
+    changed = changed_files(files, lay)
+    with systemd.connect(scope) as sd:
+        key_created = ensure_key(lay)
+        lay.state_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in changed.items():
+            write_atomic(lay.destination(name), text)
+        sd.reload()
+        runtime_units = [rt.unit for rt in config.runtimes.values()]
+        enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
+        to_enable = [PROXY_UNIT] + ([] if enabled_runtime else [config.runtime(config.default_runtime).unit])
+        sd.enable(to_enable)
+        result = InstallResult(
+            scope=scope.value,
+            written=[str(lay.destination(n)) for n in changed],
+            unchanged=[str(lay.destination(n)) for n in files if n not in changed],
+            key_created=key_created,
+            enabled=to_enable,
+            started=[],
+        )
+        if not now:
+            return result
+        proxy_changed = PROXY_UNIT in changed or PROXY_CONFIG in changed
+        proxy_state = sd.state(PROXY_UNIT)
+        if proxy_state.active_state == "active" and proxy_changed:
+            progress("restarting", PROXY_UNIT)
+            sd.manager.RestartUnit(PROXY_UNIT.encode(), b"replace")
+            wait_started(sd, PROXY_UNIT, 180, progress)
+            result.started.append(PROXY_UNIT)
+        elif proxy_state.active_state != "active":
+            progress("starting", PROXY_UNIT)
+            sd.reset_failed(PROXY_UNIT)
+            sd.start(PROXY_UNIT)
+            wait_started(sd, PROXY_UNIT, 180, progress)
+            result.started.append(PROXY_UNIT)
+        active = active_runtimes(config, sd)
+        if not active:
+            name = (enabled_runtime[0][4:-8] if enabled_runtime else config.default_runtime)
+            rt = config.runtime(name)
+            progress("starting", rt.unit)
+            sd.reset_failed(rt.unit)
+            sd.start(rt.unit)
+            wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+            result.started.append(rt.unit)
+        else:
+            stale = [config.runtime(n).unit for n in active if config.runtime(n).unit in changed]
+            for unit in stale:
+                result.notes.append(
+                    f"{unit} changed while it runs; `b70ctl switch {unit[4:-8]} --restart` applies it"
+                )
+        return result
+
+
+def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
+    lay = layout(scope)
+    units = [rt.unit for rt in config.runtimes.values()] + [PROXY_UNIT]
+    removed = []
+    with systemd.connect(scope) as sd:
+        for unit in units:
+            sd.stop(unit)
+        for unit in units:
+            wait_stopped(sd, unit, 300)
+        sd.disable(units)
+        for name in [*units, PROXY_CONFIG]:
+            path = lay.destination(name)
+            if path.exists():
+                path.unlink()
+                removed.append(str(path))
+        if purge:
+            for path in [lay.key_file]:
+                if path.exists():
+                    path.unlink()
+                    removed.append(str(path))
+            if lay.state_dir.exists():
+                shutil.rmtree(lay.state_dir)
+                removed.append(str(lay.state_dir))
+        sd.reload()
+        for unit in units:
+            sd.reset_failed(unit)
+    return removed
+
+
+# --- waiting on units --------------------------------------------------------------------------
+
+SUB_STATE_PHASE = {
+    "start-pre": "waiting for the GPU and the port",
+    "start": "starting",
+    "start-post": "loading",
+    "running": "healthy",
+    "stop-sigterm": "stopping",
+    "stop": "stopping",
+    "stop-post": "cleaning up",
+}
+
+
+def wait_started(sd: systemd.Systemd, unit: str, timeout_s: float, progress: Progress) -> dict[str, float]:
+    """Wait until `unit` is active with no job pending. Returns seconds spent per sub-state."""
+    start = time.monotonic()
+    phases: dict[str, float] = {}
+    last_sub, last_t = "", start
+    while True:
+        st = sd.state(unit)
+        now = time.monotonic()
+        if st.sub_state != last_sub:
+            if last_sub:
+                phases[last_sub] = phases.get(last_sub, 0.0) + now - last_t
+            last_sub, last_t = st.sub_state, now
+            progress(SUB_STATE_PHASE.get(st.sub_state, st.sub_state), unit)
+        if st.active_state == "active" and not st.job_pending:
+            return phases
+        if st.start_failed or (st.settled and st.active_state != "active"):
+            raise ApplianceError(
+                f"{unit} did not start: {st.active_state} ({st.sub_state}), result {st.result}",
+                code="start_failed",
+                details={"unit": unit, "result": st.result, "sub_state": st.sub_state},
+            )
+        if now - start > timeout_s:
+            raise ApplianceError(
+                f"{unit} did not become active within {timeout_s:.0f} s (still {st.sub_state})",
+                code="start_timeout",
+            )
+        time.sleep(POLL_S)
+
+
+def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = sd.state(unit)
+        if st.active_state in {"inactive", "failed"} and not st.job_pending:
+            return
+        time.sleep(POLL_S)
+    raise ApplianceError(f"{unit} did not stop within {timeout_s:.0f} s", code="stop_timeout")
+
+
+def active_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
+    out = []
+    for name, rt in sorted(config.runtimes.items()):
+        if sd.state(rt.unit).active_state in {"active", "activating", "reloading", "deactivating"}:
+            out.append(name)
+    return out
+
+
+# --- switch ------------------------------------------------------------------------------------
+
+
+def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeConfig) -> list[str]:
+    """Check the target without touching anything. Returns notes; raises on the first problem."""
+    notes = []
+    files = render_all(config, lay)
+    for name in (target.unit, PROXY_UNIT, PROXY_CONFIG):
+        dest = lay.destination(name)
+        try:
+            current = dest.read_text()
+        except FileNotFoundError:
+            raise _preflight(f"{dest} is not installed", "run `b70ctl install`") from None
+        if current != files[name]:
+            raise _preflight(
+                f"{dest} differs from what {config.path} renders",
+                "run `b70ctl render --diff` to see how, then `b70ctl install`",
+            )
+    if sd.state(target.unit).load_state != "loaded":
+        raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
+    check_runtime_files(config, target)
+    if sd.state(PROXY_UNIT).active_state != "active":
+        raise _preflight(
+            f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
+            f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
+        )
+    ours: set[int] = set()
+    for rt in config.runtimes.values():
+        pid = sd.state(rt.unit).main_pid
+        if pid:
+            ours |= health.process_tree(pid)
+    foreign = [lst for lst in health.listeners(config.backend.port) if lst.pid not in ours]
+    if foreign:
+        raise ApplianceError(
+            f"the backend port {config.backend.port} is held by {health.describe(foreign)}, "
+            "which is not an appliance runtime",
+            hint="stop that process, or choose another [backend] port",
+            code="port_busy",
+        )
+    notes.append("no Intel GPU memory gate yet: GPU memory not checked")
+    return notes
+
+
+def _preflight(message: str, hint: str) -> ApplianceError:
+    return ApplianceError(message, hint=hint, code="preflight_failed")
+
+
+def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
+    where = f"runtimes.{rt.name}"
+    if rt.launcher is Launcher.NATIVE:
+        exe = rt.command[0]
+        found = exe if os.path.isabs(exe) else shutil.which(exe)
+        if not found or not os.access(found, os.X_OK):
+            raise _preflight(f"{where}.command: {exe} is not an executable file", "install it or fix the path")
+        for key, path in (("model", rt.model), ("mmproj", rt.mmproj)):
+            if path and (os.path.isabs(path) or rt.engine is Engine.LLAMACPP) and not os.path.exists(path):
+                raise _preflight(f"{where}.{key}: {path} does not exist", "download it or fix the path")
+    else:
+        cli = config.docker if rt.launcher is Launcher.DOCKER else config.podman
+        try:
+            out = subprocess.run(
+                [cli, "image", "inspect", rt.image or ""], capture_output=True, text=True, timeout=30
+            )
+        except OSError as e:
+            raise _preflight(f"{where}: cannot run {cli}: {e.strerror}", f"install {rt.launcher}") from None
+        if out.returncode != 0:
+            raise _preflight(
+                f"{where}.image: {rt.image} is not present in {rt.launcher}",
+                f"pull it first: {cli} pull {rt.image}",
+            )
+
+
+@dataclass
+class SwitchResult:
+    target: str
+    previous: str | None
+    ok: bool
+    seconds: float
+    phases: dict[str, float]
+    notes: list[str]
+    answer: str | None = None
+    rolled_back: bool = False
+    error: str | None = None
+    journal: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "at": time.time(),
+            "from": self.previous,
+            "to": self.target,
+            "ok": self.ok,
+            "seconds": round(self.seconds, 3),
+            "phases": {k: round(v, 3) for k, v in self.phases.items()},
+            "rolled_back": self.rolled_back,
+            "error": self.error,
+        }
+
+
+def verify_through_proxy(config: Config, lay: Layout, timeout_s: float = 60) -> str:
+    """A real completion on the proxy port; retried briefly while the proxy reconnects."""
+    key = read_key(lay)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return health.chat_completion(runtimes.proxy_url(config), key, config.proxy.model, VERIFY_PROMPT)
+        except ApplianceError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def start_runtime(
+    config: Config, lay: Layout, sd: systemd.Systemd, rt: RuntimeConfig, progress: Progress
+) -> tuple[dict[str, float], str]:
+    """One StartUnit: Conflicts= stops the old runtime in the same transaction. Then verify."""
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    sd.reset_failed(rt.unit)  # a manual switch is not a crash loop: clear the start limit
+    sd.start(rt.unit)
+    others = [o for o in config.runtimes.values() if o.name != rt.name]
+    stop_budget = sum(o.stop_timeout_s + 15 for o in others) * 2
+    for sub, seconds in wait_started(sd, rt.unit, rt.start_timeout_s + stop_budget, progress).items():
+        timings[SUB_STATE_PHASE.get(sub, sub)] = seconds
+    timings["unit"] = time.monotonic() - t0
+    t1 = time.monotonic()
+    progress("verifying", f"a completion through port {config.proxy.port}")
+    answer = verify_through_proxy(config, lay)
+    timings["verified"] = time.monotonic() - t1
+    progress("verified", f"{rt.name} answers through port {config.proxy.port}")
+    return timings, answer
+
+
+def switch(
+    config: Config, scope: Scope, target_name: str, restart: bool = False, progress: Progress = no_progress
+) -> SwitchResult:
+    lay = layout(scope)
+    target = config.runtime(target_name)
+    t0 = time.monotonic()
+    with state.switch_lock(lay.state_dir, target_name), systemd.connect(scope) as sd:
+        notes = preflight(config, lay, sd, target)
+        phases = {"preflight": time.monotonic() - t0}
+        active = active_runtimes(config, sd)
+        previous = active[0] if active else None
+        if previous == target_name and not restart:
+            answer = verify_through_proxy(config, lay)
+            return SwitchResult(target_name, previous, True, time.monotonic() - t0, phases,
+                                notes + [f"{target_name} is already serving"], answer)  # fmt: skip
+        if previous == target_name:
+            progress("stopping", target.unit)
+            sd.stop(target.unit)
+            wait_stopped(sd, target.unit, target.stop_timeout_s * 2 + 30)
+        try:
+            timings, answer = start_runtime(config, lay, sd, target, progress)
+        except ApplianceError as failure:
+            result = _roll_back(config, lay, sd, target, previous, failure, progress)
+            result.phases = phases
+            result.seconds = time.monotonic() - t0
+            result.notes = notes
+            state.record_switch(lay.state_dir, result.record())
+            raise ApplianceError(
+                result.error or failure.message,
+                hint=f"journal: {' '.join(systemd.journal_command(scope, target.unit, 50))}",
+                code="switch_failed",
+                details={"switch": result.record(), "journal": result.journal},
+            ) from failure
+        phases.update(timings)
+        sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != target_name])
+        sd.enable([target.unit])
+        result = SwitchResult(target_name, previous, True, time.monotonic() - t0, phases, notes, answer)
+        state.record_switch(lay.state_dir, result.record())
+        return result
+
+
+def _roll_back(
+    config: Config,
+    lay: Layout,
+    sd: systemd.Systemd,
+    target: RuntimeConfig,
+    previous: str | None,
+    failure: ApplianceError,
+    progress: Progress,
+) -> SwitchResult:
+    journal = systemd.journal_excerpt(lay.scope, target.unit)
+    reason = f"switch to {target.name} failed: {failure.message}"
+    if journal:
+        tail = "\n".join("    " + line for line in journal.splitlines()[-12:])
+        reason += f"\n  last lines of {target.unit}:\n{tail}"
+    result = SwitchResult(target.name, previous, False, 0.0, {}, [], error=reason, journal=journal)
+    if previous is None:
+        sd.stop(target.unit)
+        result.error = reason + "\n  no runtime was serving before, so none is serving now"
+        return result
+    progress("rolling back", f"starting {previous} again")
+    try:
+        start_runtime(config, lay, sd, config.runtime(previous), progress)
+    except ApplianceError as second:
+        result.error = reason + f"\n  rolling back to {previous} failed as well: {second.message}"
+        return result
+    result.rolled_back = True
+    result.error = reason + f"\n  rolled back: {previous} is serving again"
+    return result
+
+
+# --- status ------------------------------------------------------------------------------------
+
+
+def status(config: Config, scope: Scope) -> dict[str, Any]:
+    lay = layout(scope)
+    units = [rt.unit for _, rt in sorted(config.runtimes.items())] + [PROXY_UNIT]
+    with systemd.connect(scope) as sd:
+        states = {u: sd.state(u) for u in units}
+    active = [n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"]
+    backend = health.probe(runtimes.backend_url(config) + "/health")
+    proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
+    return {
+        "scope": scope.value,
+        "config": str(config.path),
+        "active_runtime": active[0] if len(active) == 1 else None,
+        "active_runtimes": active,
+        "units": [
+            {
+                "unit": s.name,
+                "load": s.load_state,
+                "active": s.active_state,
+                "sub": s.sub_state,
+                "enabled": s.unit_file_state,
+                "main_pid": s.main_pid,
+                "result": s.result,
+                "since_us": s.active_enter_us,
+            }
+            for s in states.values()
+        ],
+        "backend": {"url": runtimes.backend_url(config), "healthy": backend.healthy, "detail": backend.detail},
+        "proxy": {"url": runtimes.proxy_url(config), "healthy": proxy.healthy, "detail": proxy.detail},
+        "last_switch": state.last_switch(lay.state_dir),
+    }

@@ -1,0 +1,238 @@
+"""Render the units and the proxy config from one Config, and write files atomically.
+
+Rendering is pure: data in, {file name: text} out. `write_atomic` is the only writer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from appliance import runtimes
+from appliance.config import Config, Launcher, RuntimeConfig, Scope
+
+PROXY_UNIT = "b70-litellm.service"
+PROXY_CONFIG = "litellm.yaml"
+KEY_FILE = "proxy.env"
+RESTART_SEC = 5
+
+
+def _templates_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    installed = here / "templates"  # a wheel maps the top-level templates/ here
+    return installed if installed.is_dir() else here.parent / "templates"
+
+
+TEMPLATES = _templates_dir()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where an installation lives, by scope."""
+
+    scope: Scope
+    unit_dir: Path
+    etc_dir: Path
+    state_dir: Path
+
+    @property
+    def key_file(self) -> Path:
+        return self.etc_dir / KEY_FILE
+
+    @property
+    def proxy_config(self) -> Path:
+        return self.etc_dir / PROXY_CONFIG
+
+    @property
+    def wanted_by(self) -> str:
+        return "multi-user.target" if self.scope is Scope.SYSTEM else "default.target"
+
+    def destination(self, file_name: str) -> Path:
+        return (self.unit_dir if file_name.endswith(".service") else self.etc_dir) / file_name
+
+
+def layout(scope: Scope) -> Layout:
+    if scope is Scope.SYSTEM:
+        return Layout(scope, Path("/etc/systemd/system"), Path("/etc/b70"), Path("/var/lib/b70"))
+    home = Path.home()
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
+    state_home = Path(os.environ.get("XDG_STATE_HOME") or home / ".local" / "state")
+    return Layout(scope, config_home / "systemd" / "user", config_home / "b70", state_home / "b70")
+
+
+# --- systemd quoting ---------------------------------------------------------------------------
+
+_SAFE_WORD = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
+
+
+class Verbatim(str):
+    """An argv word that systemd must expand itself, such as ${MAINPID}."""
+
+
+MAINPID = Verbatim("${MAINPID}")
+
+
+def quote_exec_arg(arg: str) -> str:
+    """One argv word as systemd's ExecStart= parser reads it back unchanged."""
+    if isinstance(arg, Verbatim):
+        return str(arg)
+    escaped = arg.replace("%", "%%").replace("$", "$$")
+    if _SAFE_WORD.match(arg) and arg != ";":
+        return escaped
+    escaped = escaped.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{escaped}"'
+
+
+def render_exec(argv: list[str]) -> str:
+    return " ".join(quote_exec_arg(a) for a in argv)
+
+
+def render_environment(key: str, value: str) -> str:
+    """An Environment= value: quoted, with backslashes, quotes and specifiers escaped."""
+    text = f"{key}={value}".replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    return f'"{text}"'
+
+
+def render_seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+    env.filters["exec"] = render_exec
+    env.filters["seconds"] = render_seconds
+    env.filters["json"] = json.dumps
+    return env
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def conflicting(config: Config, runtime: RuntimeConfig) -> list[RuntimeConfig]:
+    """Every other runtime: they all share the one GPU."""
+    return [other for name, other in sorted(config.runtimes.items()) if name != runtime.name]
+
+
+def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> str:
+    others = conflicting(config, runtime)
+    # One After= per pair, on the unit whose name sorts later: the earlier one is then fully
+    # stopped before the later one starts, and the reverse holds as well. After= on both sides
+    # would make `systemctl stop A B` a cyclic transaction.
+    after = [o.unit for o in others if o.name < runtime.name]
+    pre: list[list[str]] = []
+    if runtime.launcher is not Launcher.NATIVE:
+        pre.append(["-" + a if i == 0 else a for i, a in enumerate(runtimes.exec_stop_post(config, runtime)[0])])
+    pre.append(
+        [config.b70ctl, "unit", "pre", "--port", str(config.backend.port), "--host", config.backend.host]
+    )
+    post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config)]
+    post += ["--engine", runtime.engine.value, "--pid", MAINPID]
+    if runtime.launcher is not Launcher.NATIVE:
+        engine_bin = config.docker if runtime.launcher is Launcher.DOCKER else config.podman
+        post += ["--container", runtimes.container_name(runtime), "--container-cli", engine_bin]
+    interval = int(runtime.restart_burst * (runtime.start_timeout_s + RESTART_SEC) + 60)
+    return _environment().get_template("runtime.service.j2").render(
+        config_path=config.path,
+        rt=runtime,
+        conflicts=[o.unit for o in others],
+        after=after,
+        system_scope=lay.scope is Scope.SYSTEM,
+        environment=[render_environment(k, v) for k, v in sorted(runtime.env.items())],
+        exec_start_pre=pre,
+        exec_start=runtimes.exec_start(config, runtime),
+        exec_start_post=post,
+        exec_stop=runtimes.exec_stop(config, runtime),
+        exec_stop_post=runtimes.exec_stop_post(config, runtime),
+        timeout_stop_s=runtime.stop_timeout_s + 15,
+        start_limit_interval_s=interval,
+        wanted_by=lay.wanted_by,
+    )
+
+
+def litellm_path(config: Config) -> str:
+    return config.proxy.litellm or str(Path(config.b70ctl).parent / "litellm")
+
+
+def render_proxy_unit(config: Config, lay: Layout) -> str:
+    proxy = config.proxy
+    argv = [litellm_path(config), "--config", str(lay.proxy_config)]
+    argv += ["--host", proxy.host, "--port", str(proxy.port), "--num_workers", str(proxy.workers)]
+    post = [config.b70ctl, "unit", "ready", "--url", runtimes.proxy_url(config)]
+    post += ["--engine", "litellm", "--pid", MAINPID]
+    return _environment().get_template("litellm.service.j2").render(
+        config_path=config.path,
+        proxy=proxy,
+        system_scope=lay.scope is Scope.SYSTEM,
+        key_file=str(lay.key_file),
+        exec_start=argv,
+        exec_start_post=post,
+        wanted_by=lay.wanted_by,
+    )
+
+
+def render_proxy_config(config: Config) -> str:
+    return _environment().get_template("litellm.yaml.j2").render(
+        config_path=config.path,
+        proxy=config.proxy,
+        backend_url=runtimes.backend_url(config),
+    )
+
+
+def render_all(config: Config, lay: Layout) -> dict[str, str]:
+    """Every file an installation consists of (the secret key aside), by file name."""
+    files = {rt.unit: render_runtime_unit(config, rt, lay) for rt in config.runtimes.values()}
+    files[PROXY_UNIT] = render_proxy_unit(config, lay)
+    files[PROXY_CONFIG] = render_proxy_config(config)
+    return dict(sorted(files.items()))
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write `text` to `path` so that readers see the old file or the new one, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def changed_files(files: Mapping[str, str], lay: Layout) -> dict[str, str]:
+    """The subset of `files` whose installed copy is missing or different."""
+    out = {}
+    for name, text in files.items():
+        dest = lay.destination(name)
+        try:
+            current = dest.read_text()
+        except FileNotFoundError:
+            current = None
+        if current != text:
+            out[name] = text
+    return out

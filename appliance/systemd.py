@@ -1,0 +1,197 @@
+"""The systemd edge: the only module that imports pystemd.
+
+A user manager is reached over $XDG_RUNTIME_DIR/systemd/private (what systemctl --user does, no
+session bus needed); the system manager over /run/systemd/private as root, else the system bus.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from appliance.config import Scope
+from appliance.errors import ApplianceError
+
+
+@dataclass(frozen=True)
+class UnitState:
+    name: str
+    load_state: str
+    active_state: str
+    sub_state: str
+    result: str | None
+    main_pid: int | None
+    invocation_id: str | None
+    active_enter_us: int | None
+    exec_main_status: int | None
+    job_pending: bool
+    unit_file_state: str | None
+
+    @property
+    def settled(self) -> bool:
+        """No job is pending and the unit is not on its way somewhere."""
+        return not self.job_pending and self.active_state not in {"activating", "deactivating"}
+
+    @property
+    def start_failed(self) -> bool:
+        """The start is lost: the unit failed, or systemd is about to retry it."""
+        return self.active_state == "failed" or self.sub_state == "auto-restart"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def bus_address(scope: Scope) -> bytes | None:
+    if scope is Scope.USER:
+        runtime_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+        socket = Path(runtime_dir) / "systemd" / "private"
+        if not socket.exists():
+            raise ApplianceError(
+                f"no user manager is listening on {socket}",
+                hint="start one (`systemctl --user` needs a login session or "
+                "`loginctl enable-linger`), or run scripts/user-manager on a machine without "
+                "systemd as PID 1",
+                code="systemd_unreachable",
+            )
+        return b"unix:path=" + str(socket).encode()
+    socket = Path("/run/systemd/private")
+    if os.geteuid() == 0 and socket.exists():
+        return b"unix:path=" + str(socket).encode()
+    return None
+
+
+class Systemd:
+    """One connection to one manager."""
+
+    def __init__(self, bus: Any, scope: Scope) -> None:
+        self.bus = bus
+        self.scope = scope
+        from pystemd.systemd1 import Manager
+
+        self._manager = Manager(bus=bus)
+        self._manager.load()
+
+    @property
+    def manager(self) -> Any:
+        return self._manager.Manager
+
+    def _unit(self, name: str) -> Any:
+        from pystemd.systemd1 import Unit
+
+        unit = Unit(name.encode(), bus=self.bus)
+        unit.load()
+        return unit
+
+    def state(self, name: str) -> UnitState:
+        unit = self._unit(name)
+        props = unit.Unit
+        is_service = name.endswith(".service")
+        service = unit.Service if is_service else None
+        load_state = _text(props.LoadState)
+        invocation = props.InvocationID
+        try:
+            file_state = _text(self.manager.GetUnitFileState(name.encode()))
+        except Exception:
+            file_state = None
+        main_pid = int(service.MainPID) if service is not None else 0
+        return UnitState(
+            name=name,
+            load_state=load_state,
+            active_state=_text(props.ActiveState),
+            sub_state=_text(props.SubState),
+            result=_text(service.Result) if service is not None else None,
+            main_pid=main_pid or None,
+            invocation_id=bytes(invocation).hex() if invocation else None,
+            active_enter_us=int(props.ActiveEnterTimestamp) or None,
+            exec_main_status=int(service.ExecMainStatus) if service is not None else None,
+            job_pending=int(props.Job[0]) != 0,
+            unit_file_state=file_state,
+        )
+
+    def start(self, name: str, mode: str = "replace") -> None:
+        self._call("start", name, lambda: self.manager.StartUnit(name.encode(), mode.encode()))
+
+    def stop(self, name: str, mode: str = "replace") -> None:
+        self._call("stop", name, lambda: self.manager.StopUnit(name.encode(), mode.encode()))
+
+    def reset_failed(self, name: str) -> None:
+        try:
+            self.manager.ResetFailedUnit(name.encode())
+        except Exception:
+            pass  # a unit that is not loaded has nothing to reset
+
+    def reload(self) -> None:
+        self._call("daemon-reload", "the manager", self.manager.Reload)
+
+    def enable(self, names: Sequence[str]) -> None:
+        if names:
+            files = [n.encode() for n in names]
+            self._call("enable", ", ".join(names), lambda: self.manager.EnableUnitFiles(files, False, True))
+
+    def disable(self, names: Sequence[str]) -> None:
+        if names:
+            files = [n.encode() for n in names]
+            self._call("disable", ", ".join(names), lambda: self.manager.DisableUnitFiles(files, False))
+
+    def _call(self, what: str, name: str, fn: Any) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # pystemd raises DBusError subclasses with the D-Bus message
+            raise ApplianceError(
+                f"systemd refused to {what} {name}: {e}",
+                hint=f"see `{systemctl_command(self.scope)} status {name}`",
+                code="systemd_refused",
+            ) from e
+
+
+@contextmanager
+def connect(scope: Scope) -> Iterator[Systemd]:
+    from pystemd.dbuslib import DBus, DBusAddress
+
+    address = bus_address(scope)
+    try:
+        bus_cm = DBusAddress(address, peer_to_peer=True) if address else DBus()
+        bus = bus_cm.__enter__()
+    except Exception as e:
+        raise ApplianceError(
+            f"cannot reach the {scope} manager: {e}",
+            hint="is systemd running? for a user manager, is XDG_RUNTIME_DIR set?",
+            code="systemd_unreachable",
+        ) from e
+    try:
+        yield Systemd(bus, scope)
+    finally:
+        bus_cm.__exit__(None, None, None)
+
+
+def systemctl_command(scope: Scope) -> str:
+    return "systemctl --user" if scope is Scope.USER else "systemctl"
+
+
+def journal_command(scope: Scope, unit: str, lines: int, follow: bool = False) -> list[str]:
+    argv = ["journalctl", "--no-pager", "-o", "short-iso", "-n", str(lines)]
+    journal_dir = os.environ.get("B70_JOURNAL_DIR")
+    if journal_dir:
+        argv += ["-D", journal_dir]  # a private manager's own journald (scripts/user-manager)
+    elif scope is Scope.USER:
+        argv.append("--user")
+    argv += ["-u", unit]
+    if follow:
+        argv.append("-f")
+    return argv
+
+
+def journal_excerpt(scope: Scope, unit: str, lines: int = 30) -> str:
+    try:
+        out = subprocess.run(
+            journal_command(scope, unit, lines), capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()

@@ -1,0 +1,90 @@
+"""The gates every unit runs around its main process, whoever started it.
+
+`pre` (ExecStartPre=): the backend port must be free; a runtime that still holds it is given a
+moment, a foreign process is named and refused.
+
+`ready` (ExecStartPost=): poll the health URL until it answers 200 from the unit's own process.
+systemd keeps waiting if the main process dies during ExecStartPost, so the gate checks it on
+every poll; and a stale server on the same port must not pass for ours, so the listener's pid
+must belong to the unit's process tree (or to its container).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+from appliance import health
+from appliance.errors import ApplianceError
+
+POLL_S = 0.25
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def pre(port: int, wait_s: float = 10.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = health.listeners(port)
+        if not found:
+            return
+        if time.monotonic() >= deadline:
+            raise ApplianceError(
+                f"port {port} is in use by {health.describe(found)}",
+                hint="stop that process, or choose another [backend] port in the config",
+                code="port_busy",
+            )
+        time.sleep(POLL_S)
+
+
+@dataclass(frozen=True)
+class ReadyTarget:
+    url: str
+    engine: str
+    port: int
+    pid: int
+    container: str | None = None
+    container_cli: str | None = None
+
+
+def owned_pids(target: ReadyTarget) -> set[int]:
+    pids = health.process_tree(target.pid)
+    if target.container and target.container_cli:
+        cpid = health.container_pid(target.container_cli, target.container)
+        if cpid:
+            pids |= health.process_tree(cpid)
+    return pids
+
+
+def ready(target: ReadyTarget) -> float:
+    """Block until healthy; return the seconds it took. Raises when the process dies."""
+    start = time.monotonic()
+    url = health.health_url(target.url, target.engine)
+    last = ""
+    while True:
+        if not health.pid_alive(target.pid):
+            raise ApplianceError(
+                f"the main process (pid {target.pid}) exited before {url} answered"
+                + (f" (last probe: {last})" if last else ""),
+                code="runtime_died",
+            )
+        result = health.probe(url)
+        last = result.detail
+        if result.healthy:
+            found = health.listeners(target.port)
+            ours = owned_pids(target)
+            if any(listener.pid in ours for listener in found):
+                took = time.monotonic() - start
+                log(f"healthy after {took:.1f} s: {url} answers from pid {target.pid}")
+                return took
+            if found:
+                raise ApplianceError(
+                    f"{url} answers, but port {target.port} belongs to {health.describe(found)}, "
+                    f"not to this unit's process (pid {target.pid})",
+                    hint="stop the stale server that holds the port",
+                    code="port_busy",
+                )
+        time.sleep(POLL_S)
