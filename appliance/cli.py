@@ -39,7 +39,7 @@ def with_json(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @json_option
     @click.pass_obj
-    def wrapper(ctx: Context, as_json: bool, **kwargs: Any) -> Any:
+    def wrapper(ctx: Context, /, as_json: bool, **kwargs: Any) -> Any:
         ctx.json = as_json
         return fn(ctx, **kwargs)
 
@@ -65,14 +65,25 @@ class ApplianceGroup(click.Group):
             ctx.exit(e.exit_code)
 
 
-@click.group(cls=ApplianceGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=ApplianceGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.option(
-    "--config", "config_path", type=click.Path(path_type=Path), envvar="B70_CONFIG",
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    envvar="B70_CONFIG",
     help="The appliance config (default /etc/b70/appliance.toml; with --user "
     "~/.config/b70/appliance.toml). Env: B70_CONFIG.",
-)  # fmt: skip
-@click.option("--user", "user_scope", is_flag=True, envvar="B70_USER",
-              help="Use the user's systemd manager instead of the system one. Env: B70_USER=1.")  # fmt: skip
+)
+@click.option(
+    "--user",
+    "user_scope",
+    is_flag=True,
+    envvar="B70_USER",
+    help="Use the user's systemd manager instead of the system one. Env: B70_USER=1.",
+)
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.version_option(package_name="b70-appliance")
 @click.pass_context
@@ -88,7 +99,9 @@ def cli(ctx: click.Context, config_path: Path | None, user_scope: bool, debug: b
 
 @cli.command()
 @click.option("--out", type=click.Path(path_type=Path), help="Write the files into this directory.")
-@click.option("--diff", is_flag=True, help="Show how the rendered files differ from the installed ones.")
+@click.option(
+    "--diff", is_flag=True, help="Show how the rendered files differ from the installed ones."
+)
 @click.pass_obj
 def render(ctx: Context, out: Path | None, diff: bool) -> None:
     """Render the units and the proxy config from the config file.
@@ -117,8 +130,12 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
 
 
 @cli.command()
-@click.option("--now/--no-now", default=True, show_default=True,
-              help="Start the proxy and, if none runs, the default runtime.")  # fmt: skip
+@click.option(
+    "--now/--no-now",
+    default=True,
+    show_default=True,
+    help="Start the proxy and, if none runs, the default runtime.",
+)
 @with_json
 def install(ctx: Context, now: bool) -> None:
     """Install the rendered units, then daemon-reload and enable them.
@@ -232,7 +249,9 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
     try:
         os.execvp(argv[0], argv)
     except OSError as e:
-        raise ApplianceError(f"cannot run journalctl: {e.strerror}", hint="install systemd") from None
+        raise ApplianceError(
+            f"cannot run journalctl: {e.strerror}", hint="install systemd"
+        ) from None
 
 
 @cli.group(hidden=True)
@@ -257,7 +276,9 @@ def unit_pre(port: int, host: str, wait_s: float) -> None:
 @click.option("--pid", type=int, required=True)
 @click.option("--container")
 @click.option("--container-cli")
-def unit_ready(url: str, engine: str, pid: int, container: str | None, container_cli: str | None) -> None:
+def unit_ready(
+    url: str, engine: str, pid: int, container: str | None, container_cli: str | None
+) -> None:
     """ExecStartPost: wait until URL is healthy and served by PID's own process tree."""
     from urllib.parse import urlsplit
 

@@ -156,7 +156,9 @@ def parse(text: str, path: Path) -> Config:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}", hint="fix the syntax at that line") from None
+        raise ConfigError(
+            f"{path}: not valid TOML: {e}", hint="fix the syntax at that line"
+        ) from None
     return _Reader(path).config(data)
 
 
@@ -182,7 +184,9 @@ class _Reader:
         for key in data:
             if key not in allowed:
                 raise self.fail(
-                    prefix + key, "unknown key", hint="known keys here: " + ", ".join(sorted(allowed))
+                    prefix + key,
+                    "unknown key",
+                    hint="known keys here: " + ", ".join(sorted(allowed)),
                 )
 
     def get(
@@ -217,7 +221,16 @@ class _Reader:
         return tuple(value)
 
     def config(self, data: Mapping[str, Any]) -> Config:
-        top = {"default_runtime", "b70ctl", "docker", "podman", "proxy", "backend", "gpu", "runtimes"}
+        top = {
+            "default_runtime",
+            "b70ctl",
+            "docker",
+            "podman",
+            "proxy",
+            "backend",
+            "gpu",
+            "runtimes",
+        }
         self.known(data, "", top)
         proxy = self.proxy(self.table(data, "proxy"))
         backend = self.backend(self.table(data, "backend"))
@@ -298,10 +311,21 @@ class _Reader:
                 f"runtimes.{name}", "a runtime name is 1-32 of a-z, 0-9 and '-'", "e.g. vllm-tp4"
             )
         allowed = {
-            "engine", "launcher", "model", "command", "image", "mmproj", "env", "args",
-            "devices", "volumes", "shm_size", "start_timeout_s", "stop_timeout_s",
+            "engine",
+            "launcher",
+            "model",
+            "command",
+            "image",
+            "mmproj",
+            "env",
+            "args",
+            "devices",
+            "volumes",
+            "shm_size",
+            "start_timeout_s",
+            "stop_timeout_s",
             "restart_burst",
-        }  # fmt: skip
+        }
         self.known(t, p, allowed)
         engine = self.choice(t, "engine", p, Engine, None)
         launcher = self.choice(t, "launcher", p, Launcher, Launcher.NATIVE)
@@ -352,7 +376,9 @@ class _Reader:
             shm_size=self.get(t, "shm_size", p, str, "") or None,
             start_timeout_s=self.get(t, "start_timeout_s", p, float, start_default, _positive),
             stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, _positive),
-            restart_burst=self.get(t, "restart_burst", p, int, 3, lambda v: None if v >= 1 else ">= 1"),
+            restart_burst=self.get(
+                t, "restart_burst", p, int, 3, lambda v: None if v >= 1 else ">= 1"
+            ),
         )
 
     def choice(

@@ -88,8 +88,10 @@ def container_pid(cli: str, name: str) -> int | None:
     try:
         out = subprocess.run(
             [cli, "inspect", "--format", "{{.State.Pid}}", name],
-            capture_output=True, text=True, timeout=10,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     text = out.stdout.strip()
@@ -99,7 +101,7 @@ def container_pid(cli: str, name: str) -> int | None:
 def pid_alive(pid: int) -> bool:
     try:
         proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
 
@@ -133,6 +135,6 @@ def chat_completion(
         return str(response.json()["choices"][0]["message"]["content"] or "")
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise ApplianceError(
-            f"completion through {base_url} is not an OpenAI chat completion: {response.text[:300]}",
+            f"completion through {base_url} is not a chat completion: {response.text[:300]}",
             code="verify_failed",
         ) from e

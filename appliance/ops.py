@@ -41,7 +41,7 @@ def no_progress(phase: str, detail: str) -> None:
 
 def render_diff(config: Config, scope: Scope) -> str:
     lay = layout(scope)
-    chunks = []
+    chunks: list[str] = []
     for name, text in render_all(config, lay).items():
         dest = lay.destination(name)
         try:
@@ -86,19 +86,22 @@ def read_key(lay: Layout) -> str:
         text = lay.key_file.read_text()
     except FileNotFoundError:
         raise ApplianceError(
-            f"the proxy key file {lay.key_file} does not exist", hint="run `b70ctl install`",
+            f"the proxy key file {lay.key_file} does not exist",
+            hint="run `b70ctl install`",
             code="not_installed",
         ) from None
     except PermissionError:
         raise ApplianceError(
-            f"cannot read the proxy key file {lay.key_file}", hint="run as root (or with --user)",
+            f"cannot read the proxy key file {lay.key_file}",
+            hint="run as root (or with --user)",
             code="permission_denied",
         ) from None
     for line in text.splitlines():
         if line.startswith("LITELLM_MASTER_KEY="):
             return line.split("=", 1)[1].strip()
     raise ApplianceError(
-        f"{lay.key_file} holds no LITELLM_MASTER_KEY=", hint="delete it and run `b70ctl install`",
+        f"{lay.key_file} holds no LITELLM_MASTER_KEY=",
+        hint="delete it and run `b70ctl install`",
         code="not_installed",
     )
 
@@ -122,7 +125,9 @@ class InstallResult:
     notes: list[str] = field(default_factory=list)
 
 
-def install(config: Config, scope: Scope, now: bool, progress: Progress = no_progress) -> InstallResult:
+def install(
+    config: Config, scope: Scope, now: bool, progress: Progress = no_progress
+) -> InstallResult:
     lay = layout(scope)
     files = render_all(config, lay)
     verify_units(files, scope)  # before anything is written
@@ -135,7 +140,9 @@ def install(config: Config, scope: Scope, now: bool, progress: Progress = no_pro
         sd.reload()
         runtime_units = [rt.unit for rt in config.runtimes.values()]
         enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
-        to_enable = [PROXY_UNIT] + ([] if enabled_runtime else [config.runtime(config.default_runtime).unit])
+        to_enable = [PROXY_UNIT] + (
+            [] if enabled_runtime else [config.runtime(config.default_runtime).unit]
+        )
         sd.enable(to_enable)
         result = InstallResult(
             scope=scope.value,
@@ -162,7 +169,7 @@ def install(config: Config, scope: Scope, now: bool, progress: Progress = no_pro
             result.started.append(PROXY_UNIT)
         active = active_runtimes(config, sd)
         if not active:
-            name = (enabled_runtime[0][4:-8] if enabled_runtime else config.default_runtime)
+            name = enabled_runtime[0][4:-8] if enabled_runtime else config.default_runtime
             rt = config.runtime(name)
             progress("starting", rt.unit)
             sd.reset_failed(rt.unit)
@@ -172,8 +179,9 @@ def install(config: Config, scope: Scope, now: bool, progress: Progress = no_pro
         else:
             stale = [config.runtime(n).unit for n in active if config.runtime(n).unit in changed]
             for unit in stale:
+                name = unit.removeprefix("b70-").removesuffix(".service")
                 result.notes.append(
-                    f"{unit} changed while it runs; `b70ctl switch {unit[4:-8]} --restart` applies it"
+                    f"{unit} changed while it runs; `b70ctl switch {name} --restart` applies it"
                 )
         return result
 
@@ -220,7 +228,9 @@ SUB_STATE_PHASE = {
 }
 
 
-def wait_started(sd: systemd.Systemd, unit: str, timeout_s: float, progress: Progress) -> dict[str, float]:
+def wait_started(
+    sd: systemd.Systemd, unit: str, timeout_s: float, progress: Progress
+) -> dict[str, float]:
     """Wait until `unit` is active with no job pending. Returns seconds spent per sub-state."""
     start = time.monotonic()
     phases: dict[str, float] = {}
@@ -288,11 +298,6 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
     if sd.state(target.unit).load_state != "loaded":
         raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
     check_runtime_files(config, target)
-    if sd.state(PROXY_UNIT).active_state != "active":
-        raise _preflight(
-            f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
-            f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
-        )
     ours: set[int] = set()
     for rt in config.runtimes.values():
         pid = sd.state(rt.unit).main_pid
@@ -305,6 +310,11 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
             "which is not an appliance runtime",
             hint="stop that process, or choose another [backend] port",
             code="port_busy",
+        )
+    if sd.state(PROXY_UNIT).active_state != "active":
+        raise _preflight(
+            f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
+            f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
         )
     notes.append("no Intel GPU memory gate yet: GPU memory not checked")
     return notes
@@ -320,18 +330,31 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
         exe = rt.command[0]
         found = exe if os.path.isabs(exe) else shutil.which(exe)
         if not found or not os.access(found, os.X_OK):
-            raise _preflight(f"{where}.command: {exe} is not an executable file", "install it or fix the path")
+            raise _preflight(
+                f"{where}.command: {exe} is not an executable file", "install it or fix the path"
+            )
         for key, path in (("model", rt.model), ("mmproj", rt.mmproj)):
-            if path and (os.path.isabs(path) or rt.engine is Engine.LLAMACPP) and not os.path.exists(path):
-                raise _preflight(f"{where}.{key}: {path} does not exist", "download it or fix the path")
+            if (
+                path
+                and (os.path.isabs(path) or rt.engine is Engine.LLAMACPP)
+                and not os.path.exists(path)
+            ):
+                raise _preflight(
+                    f"{where}.{key}: {path} does not exist", "download it or fix the path"
+                )
     else:
         cli = config.docker if rt.launcher is Launcher.DOCKER else config.podman
         try:
             out = subprocess.run(
-                [cli, "image", "inspect", rt.image or ""], capture_output=True, text=True, timeout=30
+                [cli, "image", "inspect", rt.image or ""],
+                capture_output=True,
+                text=True,
+                timeout=30,
             )
         except OSError as e:
-            raise _preflight(f"{where}: cannot run {cli}: {e.strerror}", f"install {rt.launcher}") from None
+            raise _preflight(
+                f"{where}: cannot run {cli}: {e.strerror}", f"install {rt.launcher}"
+            ) from None
         if out.returncode != 0:
             raise _preflight(
                 f"{where}.image: {rt.image} is not present in {rt.launcher}",
@@ -371,7 +394,9 @@ def verify_through_proxy(config: Config, lay: Layout, timeout_s: float = 60) -> 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            return health.chat_completion(runtimes.proxy_url(config), key, config.proxy.model, VERIFY_PROMPT)
+            return health.chat_completion(
+                runtimes.proxy_url(config), key, config.proxy.model, VERIFY_PROMPT
+            )
         except ApplianceError:
             if time.monotonic() > deadline:
                 raise
@@ -388,7 +413,9 @@ def start_runtime(
     sd.start(rt.unit)
     others = [o for o in config.runtimes.values() if o.name != rt.name]
     stop_budget = sum(o.stop_timeout_s + 15 for o in others) * 2
-    for sub, seconds in wait_started(sd, rt.unit, rt.start_timeout_s + stop_budget, progress).items():
+    for sub, seconds in wait_started(
+        sd, rt.unit, rt.start_timeout_s + stop_budget, progress
+    ).items():
         timings[SUB_STATE_PHASE.get(sub, sub)] = seconds
     timings["unit"] = time.monotonic() - t0
     t1 = time.monotonic()
@@ -400,7 +427,11 @@ def start_runtime(
 
 
 def switch(
-    config: Config, scope: Scope, target_name: str, restart: bool = False, progress: Progress = no_progress
+    config: Config,
+    scope: Scope,
+    target_name: str,
+    restart: bool = False,
+    progress: Progress = no_progress,
 ) -> SwitchResult:
     lay = layout(scope)
     target = config.runtime(target_name)
@@ -412,8 +443,10 @@ def switch(
         previous = active[0] if active else None
         if previous == target_name and not restart:
             answer = verify_through_proxy(config, lay)
-            return SwitchResult(target_name, previous, True, time.monotonic() - t0, phases,
-                                notes + [f"{target_name} is already serving"], answer)  # fmt: skip
+            notes.append(f"{target_name} is already serving")
+            return SwitchResult(
+                target_name, previous, True, time.monotonic() - t0, phases, notes, answer
+            )
         if previous == target_name:
             progress("stopping", target.unit)
             sd.stop(target.unit)
@@ -435,7 +468,9 @@ def switch(
         phases.update(timings)
         sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != target_name])
         sd.enable([target.unit])
-        result = SwitchResult(target_name, previous, True, time.monotonic() - t0, phases, notes, answer)
+        result = SwitchResult(
+            target_name, previous, True, time.monotonic() - t0, phases, notes, answer
+        )
         state.record_switch(lay.state_dir, result.record())
         return result
 
@@ -478,7 +513,9 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     units = [rt.unit for _, rt in sorted(config.runtimes.items())] + [PROXY_UNIT]
     with systemd.connect(scope) as sd:
         states = {u: sd.state(u) for u in units}
-    active = [n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"]
+    active = [
+        n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"
+    ]
     backend = health.probe(runtimes.backend_url(config) + "/health")
     proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
     return {
@@ -499,7 +536,15 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
             }
             for s in states.values()
         ],
-        "backend": {"url": runtimes.backend_url(config), "healthy": backend.healthy, "detail": backend.detail},
-        "proxy": {"url": runtimes.proxy_url(config), "healthy": proxy.healthy, "detail": proxy.detail},
+        "backend": {
+            "url": runtimes.backend_url(config),
+            "healthy": backend.healthy,
+            "detail": backend.detail,
+        },
+        "proxy": {
+            "url": runtimes.proxy_url(config),
+            "healthy": proxy.healthy,
+            "detail": proxy.detail,
+        },
         "last_switch": state.last_switch(lay.state_dir),
     }

@@ -16,14 +16,22 @@ ENVELOPE_VERSION = 1
 
 
 def emit_json(result: Any) -> None:
-    print(json.dumps({"version": ENVELOPE_VERSION, "ok": True, "result": result}, indent=2, sort_keys=True))
+    print(
+        json.dumps(
+            {"version": ENVELOPE_VERSION, "ok": True, "result": result}, indent=2, sort_keys=True
+        )
+    )
 
 
 def emit_json_error(error: ApplianceError) -> None:
-    body = {"code": error.code, "message": error.message, "hint": error.hint}
+    body: dict[str, object] = {"code": error.code, "message": error.message, "hint": error.hint}
     if error.details:
         body["details"] = error.details
-    print(json.dumps({"version": ENVELOPE_VERSION, "ok": False, "error": body}, indent=2, sort_keys=True))
+    print(
+        json.dumps(
+            {"version": ENVELOPE_VERSION, "ok": False, "error": body}, indent=2, sort_keys=True
+        )
+    )
 
 
 def emit_error(error: ApplianceError) -> None:
@@ -39,22 +47,30 @@ def progress(phase: str, detail: str) -> None:
 
 def table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
 
 
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"runtime   {s['active_runtime'] or ', '.join(s['active_runtimes']) or 'none active'}"]
     rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID"]]
     for u in s["units"]:
-        rows.append([u["unit"], u["active"], u["sub"], u["enabled"] or "-", str(u["main_pid"] or "-")])
+        rows.append(
+            [u["unit"], u["active"], u["sub"], u["enabled"] or "-", str(u["main_pid"] or "-")]
+        )
     lines.append(table(rows))
     for key in ("backend", "proxy"):
         p = s[key]
-        lines.append(f"{key:<9} {p['url']}  {'healthy' if p['healthy'] else 'unhealthy: ' + p['detail']}")
+        lines.append(
+            f"{key:<9} {p['url']}  {'healthy' if p['healthy'] else 'unhealthy: ' + p['detail']}"
+        )
     last = s.get("last_switch")
     if last:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"]))
-        outcome = "ok" if last["ok"] else ("failed, rolled back" if last["rolled_back"] else "failed")
+        outcome = (
+            "ok" if last["ok"] else ("failed, rolled back" if last["rolled_back"] else "failed")
+        )
         lines.append(
             f"last switch  {last['from'] or '-'} -> {last['to']} at {when}, "
             f"{last['seconds']:.1f} s, {outcome}"
@@ -66,6 +82,8 @@ def render_status(s: dict[str, Any]) -> str:
 
 def render_switch(r: dict[str, Any]) -> str:
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in r["phases"].items())
-    lines = [f"{r['target']} is serving (from {r['previous'] or 'none'}, {r['seconds']:.1f} s: {phases})"]
+    lines = [
+        f"{r['target']} is serving (from {r['previous'] or 'none'}, {r['seconds']:.1f} s: {phases})"
+    ]
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)

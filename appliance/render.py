@@ -135,9 +135,22 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
     after = [o.unit for o in others if o.name < runtime.name]
     pre: list[list[str]] = []
     if runtime.launcher is not Launcher.NATIVE:
-        pre.append(["-" + a if i == 0 else a for i, a in enumerate(runtimes.exec_stop_post(config, runtime)[0])])
+        pre.append(
+            [
+                "-" + a if i == 0 else a
+                for i, a in enumerate(runtimes.exec_stop_post(config, runtime)[0])
+            ]
+        )
     pre.append(
-        [config.b70ctl, "unit", "pre", "--port", str(config.backend.port), "--host", config.backend.host]
+        [
+            config.b70ctl,
+            "unit",
+            "pre",
+            "--port",
+            str(config.backend.port),
+            "--host",
+            config.backend.host,
+        ]
     )
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config)]
     post += ["--engine", runtime.engine.value, "--pid", MAINPID]
@@ -145,21 +158,25 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
         engine_bin = config.docker if runtime.launcher is Launcher.DOCKER else config.podman
         post += ["--container", runtimes.container_name(runtime), "--container-cli", engine_bin]
     interval = int(runtime.restart_burst * (runtime.start_timeout_s + RESTART_SEC) + 60)
-    return _environment().get_template("runtime.service.j2").render(
-        config_path=config.path,
-        rt=runtime,
-        conflicts=[o.unit for o in others],
-        after=after,
-        system_scope=lay.scope is Scope.SYSTEM,
-        environment=[render_environment(k, v) for k, v in sorted(runtime.env.items())],
-        exec_start_pre=pre,
-        exec_start=runtimes.exec_start(config, runtime),
-        exec_start_post=post,
-        exec_stop=runtimes.exec_stop(config, runtime),
-        exec_stop_post=runtimes.exec_stop_post(config, runtime),
-        timeout_stop_s=runtime.stop_timeout_s + 15,
-        start_limit_interval_s=interval,
-        wanted_by=lay.wanted_by,
+    return (
+        _environment()
+        .get_template("runtime.service.j2")
+        .render(
+            config_path=config.path,
+            rt=runtime,
+            conflicts=[o.unit for o in others],
+            after=after,
+            system_scope=lay.scope is Scope.SYSTEM,
+            environment=[render_environment(k, v) for k, v in sorted(runtime.env.items())],
+            exec_start_pre=pre,
+            exec_start=runtimes.exec_start(config, runtime),
+            exec_start_post=post,
+            exec_stop=runtimes.exec_stop(config, runtime),
+            exec_stop_post=runtimes.exec_stop_post(config, runtime),
+            timeout_stop_s=runtime.stop_timeout_s + 15,
+            start_limit_interval_s=interval,
+            wanted_by=lay.wanted_by,
+        )
     )
 
 
@@ -173,22 +190,30 @@ def render_proxy_unit(config: Config, lay: Layout) -> str:
     argv += ["--host", proxy.host, "--port", str(proxy.port), "--num_workers", str(proxy.workers)]
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.proxy_url(config)]
     post += ["--engine", "litellm", "--pid", MAINPID]
-    return _environment().get_template("litellm.service.j2").render(
-        config_path=config.path,
-        proxy=proxy,
-        system_scope=lay.scope is Scope.SYSTEM,
-        key_file=str(lay.key_file),
-        exec_start=argv,
-        exec_start_post=post,
-        wanted_by=lay.wanted_by,
+    return (
+        _environment()
+        .get_template("litellm.service.j2")
+        .render(
+            config_path=config.path,
+            proxy=proxy,
+            system_scope=lay.scope is Scope.SYSTEM,
+            key_file=str(lay.key_file),
+            exec_start=argv,
+            exec_start_post=post,
+            wanted_by=lay.wanted_by,
+        )
     )
 
 
 def render_proxy_config(config: Config) -> str:
-    return _environment().get_template("litellm.yaml.j2").render(
-        config_path=config.path,
-        proxy=config.proxy,
-        backend_url=runtimes.backend_url(config),
+    return (
+        _environment()
+        .get_template("litellm.yaml.j2")
+        .render(
+            config_path=config.path,
+            proxy=config.proxy,
+            backend_url=runtimes.backend_url(config),
+        )
     )
 
 

@@ -6,6 +6,7 @@ session bus needed); the system manager over /run/systemd/private as root, else 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -121,10 +122,8 @@ class Systemd:
         self._call("stop", name, lambda: self.manager.StopUnit(name.encode(), mode.encode()))
 
     def reset_failed(self, name: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a unit that is not loaded has nothing to reset
             self.manager.ResetFailedUnit(name.encode())
-        except Exception:
-            pass  # a unit that is not loaded has nothing to reset
 
     def reload(self) -> None:
         self._call("daemon-reload", "the manager", self.manager.Reload)
@@ -132,12 +131,16 @@ class Systemd:
     def enable(self, names: Sequence[str]) -> None:
         if names:
             files = [n.encode() for n in names]
-            self._call("enable", ", ".join(names), lambda: self.manager.EnableUnitFiles(files, False, True))
+            self._call(
+                "enable", ", ".join(names), lambda: self.manager.EnableUnitFiles(files, False, True)
+            )
 
     def disable(self, names: Sequence[str]) -> None:
         if names:
             files = [n.encode() for n in names]
-            self._call("disable", ", ".join(names), lambda: self.manager.DisableUnitFiles(files, False))
+            self._call(
+                "disable", ", ".join(names), lambda: self.manager.DisableUnitFiles(files, False)
+            )
 
     def _call(self, what: str, name: str, fn: Any) -> Any:
         try:

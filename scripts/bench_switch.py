@@ -1,0 +1,117 @@
+"""Measure `b70ctl switch` between the demo runtimes (run through scripts/bench-switch).
+
+For each switch it prints:
+  wall       the whole `b70ctl switch` process, as a client of the controller sees it;
+  stop       the old runtime's stop (systemd: ActiveExit -> InactiveEnter of the old unit);
+  runtime    the new runtime's start-up: ExecStart to healthy (ExecMainStart -> ActiveEnter);
+  unit       from the old unit's stop to the new unit active (what systemd does for the switch);
+  verify     the completion through the proxy that proves the switch;
+  overhead   wall - unit - verify: the controller's own cost (start-up, preflight, polling, enable).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+B70CTL = str(REPO / ".venv" / "bin" / "b70ctl")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def show(env: dict[str, str], unit: str) -> dict[str, int]:
+    keys = ",".join(
+        f"{k}TimestampMonotonic"
+        for k in ("ActiveEnter", "ActiveExit", "InactiveEnter", "ExecMainStart")
+    )
+    out = subprocess.run(
+        ["systemctl", "--user", "show", "-p", keys, unit],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return {k: int(v) for k, v in (line.split("=", 1) for line in out.stdout.splitlines())}
+
+
+def main() -> None:
+    cache, rounds = sys.argv[1], int(sys.argv[2])
+    root = Path(tempfile.mkdtemp(prefix="b70-bench."))
+    env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
+    subprocess.run(
+        [str(REPO / "scripts" / "user-manager"), "start", str(root / "mgr")], env=env, check=True
+    )
+    for line in (root / "mgr" / "env").read_text().splitlines():
+        k, v = line.removeprefix("export ").split("=", 1)
+        env[k] = v
+    text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
+    text = text.replace("port = 8000", f"port = {free_port()}").replace(
+        "port = 8001", f"port = {free_port()}"
+    )
+    cfg = root / "appliance.toml"
+    cfg.write_text(text)
+    base = [B70CTL, "--user", "--config", str(cfg)]
+    rows: dict[str, list[dict[str, float]]] = {"llamacpp -> vllm": [], "vllm -> llamacpp": []}
+    try:
+        subprocess.run([*base, "install"], env=env, check=True, capture_output=True)
+        for _ in range(rounds):
+            for old, new in (("llamacpp", "vllm"), ("vllm", "llamacpp")):
+                t0 = time.monotonic()
+                out = subprocess.run(
+                    [*base, "switch", new, "--json"], env=env, capture_output=True, text=True
+                )
+                wall = time.monotonic() - t0
+                if out.returncode != 0:
+                    raise SystemExit(f"switch to {new} failed:\n{out.stderr}")
+                result = json.loads(out.stdout)["result"]
+                o, n = show(env, f"b70-{old}.service"), show(env, f"b70-{new}.service")
+                stop = (
+                    o["InactiveEnterTimestampMonotonic"] - o["ActiveExitTimestampMonotonic"]
+                ) / 1e6
+                runtime = (
+                    n["ActiveEnterTimestampMonotonic"] - n["ExecMainStartTimestampMonotonic"]
+                ) / 1e6
+                unit = (
+                    n["ActiveEnterTimestampMonotonic"] - o["ActiveExitTimestampMonotonic"]
+                ) / 1e6
+                verify = result["phases"]["verified"]
+                row = {
+                    "wall": wall,
+                    "stop": stop,
+                    "runtime": runtime,
+                    "unit": unit,
+                    "verify": verify,
+                    "overhead": wall - unit - verify,
+                }
+                rows[f"{old} -> {new}"].append(row)
+                print(
+                    f"{old:>8} -> {new:<8} " + "  ".join(f"{k} {v:6.2f} s" for k, v in row.items()),
+                    flush=True,
+                )
+    finally:
+        subprocess.run([*base, "uninstall", "--purge"], env=env, capture_output=True)
+        subprocess.run([str(REPO / "scripts" / "user-manager"), "stop", str(root / "mgr")], env=env)
+    print(f"\nmedians over {rounds} round(s):")
+    for direction, samples in rows.items():
+        med = {k: statistics.median(r[k] for r in samples) for k in samples[0]}
+        print(
+            f"{direction:<17} "
+            + "  ".join(f"{k} {v:6.2f} s" for k, v in med.items())
+            + f"  overhead/wall {med['overhead'] / med['wall']:.1%}"
+        )
+
+
+if __name__ == "__main__":
+    main()

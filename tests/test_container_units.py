@@ -1,0 +1,192 @@
+"""Container units under the real systemd manager, with a recording stand-in for the docker CLI.
+
+No docker engine runs here. The stand-in records every call the unit makes (cleanup before start,
+run, stop, rm) and runs the "container" as a real llama-server, so the whole unit - quoting of
+argv and Environment=, the health gate following the container's pid, the cleanup - runs for real.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import config as config_mod
+from appliance import runtimes
+from tests.conftest import (
+    GGUF,
+    LLAMA_SERVER,
+    REPO,
+    Appliance,
+    free_port,
+    require_real_parts,
+    running_manager,
+    tree_snapshot,
+)
+
+IMAGE = "local/llama-server:test"
+TRICKY_ENV = {
+    "B70_LINEAR_FP8_RE": r"(self_attn\.(qkv_proj|o_proj)|shared_expert\.(gate_up_proj))$",
+    "PERCENT": "100% sure; \"quoted\" and 'single'",
+    "DOLLAR": "$HOME ${USER} $$",
+}
+
+
+@pytest.fixture(scope="module")
+def container_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance, Path]]:
+    require_real_parts()
+    root = tmp_path_factory.mktemp("containers")
+    bindir = root / "bin"
+    bindir.mkdir()
+    script = (REPO / "tests" / "standins" / "docker").read_text().split("\n", 1)[1]
+    (bindir / "docker").write_text(f"#!{sys.executable}\n{script}")
+    (bindir / "docker").chmod(0o755)
+    record = root / "docker-calls.jsonl"
+    (root / "state").mkdir()
+    settings = {"record": str(record), "state": str(root / "state"), "images": [IMAGE]}
+    settings["entrypoint"] = str(LLAMA_SERVER)
+    (bindir / "standin.json").write_text(json.dumps(settings))
+    proxy_port, backend_port = free_port(), free_port()
+    env_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in TRICKY_ENV.items())
+    text = f"""
+default_runtime = "llamacpp"
+docker = "{bindir / "docker"}"
+
+[proxy]
+port = {proxy_port}
+model = "smollm2"
+
+[backend]
+port = {backend_port}
+
+[runtimes.llamacpp]
+engine = "llamacpp"
+command = ["{LLAMA_SERVER}"]
+model = "{GGUF}"
+args = ["-c", "1024"]
+
+[runtimes.ctr]
+engine = "llamacpp"
+launcher = "docker"
+image = "{IMAGE}"
+model = "{GGUF}"
+devices = ["/dev/dri"]
+shm_size = "1g"
+volumes = ["/srv/models:/models:ro"]
+stop_timeout_s = 10
+args = ["-c", "1024", "--chat-template-kwargs", '{{"enable_thinking": false}}']
+
+[runtimes.ctr.env]
+{env_lines}
+
+[runtimes.missing]
+engine = "vllm"
+launcher = "docker"
+image = "local/not-pulled:1"
+model = "org/model"
+"""
+    with running_manager(root / "manager") as manager:
+        cfg = root / "appliance.toml"
+        cfg.write_text(text)
+        app = Appliance(manager, cfg, proxy_port, backend_port)
+        app.b70ctl("install", check=True)
+        try:
+            yield app, record
+        finally:
+            app.b70ctl("uninstall", "--purge")
+
+
+def calls(record: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def test_container_unit_runs_the_exact_argv_and_environment(
+    container_app: tuple[Appliance, Path],
+) -> None:
+    app, record = container_app
+    record.write_text("")
+    app.b70ctl("switch", "ctr", check=True)
+    made = calls(record)
+    verbs = [c["argv"][0] for c in made]
+    # Stale-name cleanup first, then run, then the health gate asks for the container's pid.
+    assert verbs[:3] == ["rm", "run", "inspect"], verbs
+    assert made[0]["argv"] == ["rm", "--force", "b70-ctr"]
+    cfg = config_mod.load(app.config)
+    expected = runtimes.exec_start(cfg, cfg.runtimes["ctr"])
+    assert made[1]["argv"] == expected[1:]
+    assert made[1]["env"] == TRICKY_ENV
+    assert app.ask().strip()
+
+    record.write_text("")
+    app.b70ctl("switch", "llamacpp", check=True)
+    verbs = [c["argv"] for c in calls(record)]
+    assert verbs[:2] == [["stop", "--time", "10", "b70-ctr"], ["rm", "--force", "b70-ctr"]]
+
+
+def test_a_missing_image_is_refused_before_anything_changes(
+    container_app: tuple[Appliance, Path],
+) -> None:
+    app, _ = container_app
+    app.b70ctl("switch", "llamacpp", check=True)
+    before = app.json("status")["result"]["units"]
+    state = Path(app.manager.env["XDG_STATE_HOME"])
+    files_before = tree_snapshot(state)
+    out = app.b70ctl("switch", "missing")
+    assert out.returncode == 1
+    assert "runtimes.missing.image: local/not-pulled:1 is not present in docker" in out.stderr
+    assert "hint: pull it first:" in out.stderr and "pull local/not-pulled:1" in out.stderr
+    after = app.json("status")["result"]["units"]
+    assert [(u["unit"], u["active"], u["main_pid"]) for u in after] == [
+        (u["unit"], u["active"], u["main_pid"]) for u in before
+    ]
+    assert tree_snapshot(state) == files_before
+
+
+def test_a_stale_server_on_the_backend_port_is_named_and_refused(
+    container_app: tuple[Appliance, Path],
+) -> None:
+    app, _ = container_app
+    app.manager.systemctl("stop", "b70-llamacpp.service", "b70-ctr.service")
+    stale = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(app.backend_port), "--bind", "127.0.0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_listening(app.backend_port)
+        out = app.b70ctl("switch", "llamacpp")
+        assert out.returncode == 1
+        assert f"the backend port {app.backend_port} is held by pid {stale.pid}" in out.stderr
+        assert "http.server" in out.stderr
+        # Started by hand, the unit's own gate refuses too: systemctl start fails.
+        by_hand = subprocess.run(
+            ["systemctl", "--user", "start", "b70-llamacpp.service"],
+            env=app.manager.env,
+            capture_output=True,
+            text=True,
+        )
+        assert by_hand.returncode != 0
+        assert app.manager.systemctl("is-active", "b70-llamacpp.service").strip() == "failed"
+    finally:
+        stale.terminate()
+        stale.wait()
+    app.b70ctl("switch", "llamacpp", check=True)
+    assert app.ask().strip()
+
+
+def _wait_listening(port: int) -> None:
+    import socket
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"nothing listens on {port}")

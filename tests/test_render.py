@@ -1,0 +1,139 @@
+"""Rendering: the reference units, systemd-analyze verify, the After= rule and quoting."""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from appliance import config
+from appliance.config import Scope
+from appliance.render import layout, quote_exec_arg, render_all, render_exec
+from tests.conftest import REPO
+
+B70 = REPO / "examples" / "b70.toml"
+STUB_EXECUTABLES = [
+    "opt/b70/bin/b70ctl",
+    "opt/b70/bin/litellm",
+    "opt/llama.cpp/bin/llama-server",
+    "usr/bin/docker",
+]
+
+
+def rendered_b70() -> dict[str, str]:
+    # Rendered the way the README says: from the repository root, with a relative --config.
+    return render_all(config.load(B70.relative_to(Path.cwd())), layout(Scope.SYSTEM))
+
+
+@pytest.fixture(autouse=True)
+def _in_repo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+
+
+def test_reference_units_are_what_render_makes() -> None:
+    files = rendered_b70()
+    on_disk = {p.name: p.read_text() for p in (REPO / "units").iterdir()}
+    assert on_disk == files, "units/ is stale: b70ctl --config examples/b70.toml render --out units"
+
+
+def verify_root(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A root tree with the stock units, our units and stub executables (none exist on CI)."""
+    root = tmp_path / "root"
+    shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
+    (root / "etc/systemd/system").mkdir(parents=True)
+    for name, text in files.items():
+        if name.endswith(".service"):
+            (root / "etc/systemd/system" / name).write_text(text)
+    for exe in STUB_EXECUTABLES:
+        path = root / exe
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\n")
+        path.chmod(0o755)
+    return root
+
+
+def analyze_verify(root: Path, units: list[str]) -> str:
+    out = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", f"--root={root}", *units],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return out.stdout + out.stderr
+
+
+def test_reference_units_pass_systemd_analyze_verify_silently(tmp_path: Path) -> None:
+    files = rendered_b70()
+    units = [n for n in files if n.endswith(".service")]
+    assert analyze_verify(verify_root(tmp_path, files), units) == ""
+
+
+def test_verify_does_speak_up_on_a_bad_unit(tmp_path: Path) -> None:
+    files = rendered_b70()
+    files["b70-vllm.service"] = files["b70-vllm.service"].replace(
+        "Restart=on-failure", "Restart=sometimes"
+    )
+    output = analyze_verify(verify_root(tmp_path, files), ["b70-vllm.service"])
+    assert "b70-vllm.service:" in output and "sometimes" in output
+
+
+THREE = """
+default_runtime = "a"
+b70ctl = "/opt/b70/bin/b70ctl"
+[runtimes.a]
+engine = "llamacpp"
+model = "/m.gguf"
+[runtimes.c]
+engine = "vllm"
+model = "/m"
+[runtimes.b]
+engine = "vllm"
+launcher = "podman"
+image = "localhost/vllm:1"
+model = "/m"
+"""
+
+
+def unit_lines(text: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(key + "=")]
+
+
+def test_every_pair_conflicts_and_exactly_one_side_orders_after_the_other() -> None:
+    cfg = config.parse(THREE, Path("three.toml"))
+    files = render_all(cfg, layout(Scope.SYSTEM))
+    units = ["b70-a.service", "b70-b.service", "b70-c.service"]
+    for x, y in itertools.combinations(units, 2):
+        assert y in unit_lines(files[x], "Conflicts") and x in unit_lines(files[y], "Conflicts")
+        after = (y in unit_lines(files[x], "After")) + (x in unit_lines(files[y], "After"))
+        assert after == 1, (x, y)
+    for unit in units:
+        text = files[unit]
+        assert unit_lines(text, "Type") == ["exec"]
+        assert unit_lines(text, "ExecStartPost")[0].startswith("/opt/b70/bin/b70ctl unit ready ")
+        assert "${MAINPID}" in unit_lines(text, "ExecStartPost")[0]
+    podman = files["b70-b.service"]
+    assert unit_lines(podman, "ExecStopPost") == ["/usr/bin/podman rm --force b70-b"]
+    assert unit_lines(podman, "ExecStartPre")[0] == "-/usr/bin/podman rm --force b70-b"
+
+
+@pytest.mark.parametrize(
+    ("arg", "quoted"),
+    [
+        ("--port", "--port"),
+        ("/a/b.gguf", "/a/b.gguf"),
+        ("two words", '"two words"'),
+        ('{"a":[1,2]}', '"{\\"a\\":[1,2]}"'),
+        ("100%", '"100%%"'),
+        ("$HOME", '"$$HOME"'),
+        ("a\\.b", '"a\\\\.b"'),
+        (";", '";"'),
+        ("", '""'),
+    ],
+)
+def test_exec_quoting(arg: str, quoted: str) -> None:
+    assert quote_exec_arg(arg) == quoted
+
+
+def test_render_exec_joins_words() -> None:
+    assert render_exec(["/bin/x", "a b", "c"]) == '/bin/x "a b" c'

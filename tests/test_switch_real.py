@@ -1,0 +1,168 @@
+"""The switch on real parts: a systemd user manager, llama-server and vLLM on the CPU, the LiteLLM
+proxy, SmolLM2, and the OpenAI SDK as the client."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import Appliance
+
+RUNTIME_UNITS = ["b70-broken.service", "b70-llamacpp.service", "b70-vllm.service"]
+
+
+class ExclusionSampler(threading.Thread):
+    """Samples every runtime unit's state; two units away from inactive at once is a violation."""
+
+    def __init__(self, app: Appliance) -> None:
+        super().__init__(daemon=True)
+        self.app = app
+        self.samples = 0
+        self.violations: list[dict[str, str]] = []
+        self.seen: set[str] = set()
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.is_set():
+            out = self.app.manager.systemctl("show", "-p", "Id,ActiveState", *RUNTIME_UNITS)
+            states = {}
+            for block in out.strip().split("\n\n"):
+                fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
+                if "Id" in fields:
+                    states[fields["Id"]] = fields["ActiveState"]
+            busy = {u: s for u, s in states.items() if s not in {"inactive", "failed"}}
+            self.seen |= {f"{u}={s}" for u, s in states.items()}
+            if len(busy) > 1:
+                self.violations.append(busy)
+            self.samples += 1
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join()
+
+
+def backend_healthy(app: Appliance) -> bool:
+    try:
+        return (
+            httpx.get(f"http://127.0.0.1:{app.backend_port}/health", timeout=5).status_code == 200
+        )
+    except httpx.HTTPError:
+        return False
+
+
+def test_install_started_the_default_runtime_behind_the_proxy(appliance: Appliance) -> None:
+    status = appliance.json("status")["result"]
+    assert status["active_runtime"] == "llamacpp"
+    assert status["proxy"]["healthy"] and status["backend"]["healthy"]
+    units = {u["unit"]: u for u in status["units"]}
+    assert units["b70-llamacpp.service"]["enabled"] == "enabled"
+    assert units["b70-litellm.service"]["enabled"] == "enabled"
+    assert units["b70-vllm.service"]["enabled"] == "disabled"
+    assert appliance.ask().strip()
+
+
+def test_round_trip_llamacpp_vllm_llamacpp(appliance: Appliance) -> None:
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    before = appliance.ask()
+    sampler = ExclusionSampler(appliance)
+    sampler.start()
+    try:
+        first = subprocess.Popen(
+            [*appliance_argv(appliance), "switch", "vllm", "--json"],
+            env=appliance.manager.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        # A second switch while the first one runs is refused and names the first.
+        lock = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "switch.lock"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (lock.exists() and lock.read_text()):
+            time.sleep(0.05)
+        second = appliance.b70ctl("switch", "llamacpp")
+        assert second.returncode == 3, second.stderr
+        assert "another switch is running: to vllm (pid" in second.stderr
+        out, err = first.communicate(timeout=900)
+        assert first.returncode == 0, err
+        to_vllm = json.loads(out)["result"]
+        assert to_vllm["ok"] and to_vllm["previous"] == "llamacpp" and to_vllm["target"] == "vllm"
+        assert appliance.json("status")["result"]["active_runtime"] == "vllm"
+        assert appliance.manager.systemctl("is-active", "b70-vllm.service").strip() == "active"
+        assert backend_healthy(appliance)
+        on_vllm = appliance.ask()
+
+        back = appliance.json("switch", "llamacpp")
+        assert back["ok"], back
+        after = appliance.ask()
+    finally:
+        sampler.stop()
+    assert sampler.violations == []
+    assert sampler.samples > 20
+    # The sampler saw the switch happen, not only its ends.
+    assert "b70-vllm.service=activating" in sampler.seen
+    assert (
+        "b70-llamacpp.service=deactivating" in sampler.seen
+        or "b70-vllm.service=deactivating" in sampler.seen
+    )
+    assert before.strip() and on_vllm.strip()
+    assert after == before, "the same greedy prompt must get the same answer from llama.cpp again"
+    status = appliance.json("status")["result"]
+    assert status["active_runtime"] == "llamacpp"
+    assert status["last_switch"]["from"] == "vllm" and status["last_switch"]["to"] == "llamacpp"
+    enabled = {u["unit"]: u["enabled"] for u in status["units"]}
+    assert (
+        enabled["b70-llamacpp.service"] == "enabled" and enabled["b70-vllm.service"] == "disabled"
+    )
+
+
+def test_rollback_when_the_target_cannot_start(appliance: Appliance) -> None:
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    out = appliance.b70ctl("switch", "broken")
+    assert out.returncode != 0
+    assert "switch to broken failed" in out.stderr
+    assert "rolled back: llamacpp is serving again" in out.stderr
+    status = appliance.json("status")["result"]
+    assert status["active_runtime"] == "llamacpp"
+    assert status["last_switch"]["ok"] is False and status["last_switch"]["rolled_back"] is True
+    assert appliance.ask().strip()
+    enabled = {u["unit"]: u["enabled"] for u in status["units"]}
+    assert (
+        enabled["b70-broken.service"] == "disabled" and enabled["b70-llamacpp.service"] == "enabled"
+    )
+
+
+def test_switch_json_error_is_one_document(appliance: Appliance) -> None:
+    out = appliance.b70ctl("switch", "nosuch", "--json")
+    assert out.returncode == 2
+    doc = json.loads(out.stdout)
+    assert doc["ok"] is False and doc["error"]["code"] == "config_invalid"
+    assert "no runtime named 'nosuch'" in doc["error"]["message"]
+
+
+def test_the_master_key_is_never_in_a_unit_or_a_log(appliance: Appliance) -> None:
+    key = appliance.key
+    assert key.startswith("sk-")
+    config_home = Path(appliance.manager.env["XDG_CONFIG_HOME"])
+    key_file = config_home / "b70" / "proxy.env"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    for path in (config_home / "systemd" / "user").glob("b70-*.service"):
+        assert key not in path.read_text()
+    assert key not in (config_home / "b70" / "litellm.yaml").read_text()
+    logs = appliance.b70ctl("logs", "proxy", "-n", "1000")
+    assert logs.returncode == 0 and "b70-litellm" in logs.stdout
+    assert key not in logs.stdout
+
+
+def test_logs_show_the_runtime_journal(appliance: Appliance) -> None:
+    out = appliance.b70ctl("logs", "llamacpp", "-n", "200")
+    assert out.returncode == 0
+    assert "healthy after" in out.stdout  # written by the unit's ExecStartPost gate
+
+
+def appliance_argv(app: Appliance) -> list[str]:
+    from tests.conftest import B70CTL
+
+    return [B70CTL, "--user", "--config", str(app.config)]
