@@ -65,8 +65,10 @@ def verify_units(files: dict[str, str], scope: Scope) -> None:
         argv = ["systemd-analyze", "verify", "--man=no"]
         if scope is Scope.USER:
             argv.insert(1, "--user")
+        env = dict(os.environ)
+        env.setdefault("XDG_RUNTIME_DIR", tmp)  # --user verify needs one, not a running manager
         try:
-            out = subprocess.run(argv + paths, capture_output=True, text=True, timeout=60)
+            out = subprocess.run(argv + paths, capture_output=True, text=True, timeout=60, env=env)
         except FileNotFoundError:
             raise ApplianceError(
                 "systemd-analyze is not installed", hint="install systemd", code="verify_failed"
@@ -174,7 +176,14 @@ def install(
             progress("starting", rt.unit)
             sd.reset_failed(rt.unit)
             sd.start(rt.unit)
-            wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+            try:
+                wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+            except ApplianceError as e:
+                sd.stop(rt.unit)  # do not leave it retrying in the background
+                journal = " ".join(systemd.journal_command(scope, rt.unit, 50))
+                e.message = f"installed, but {e.message}"
+                e.hint = f"see why: {journal}; then `b70ctl switch {name}`"
+                raise
             result.started.append(rt.unit)
         else:
             stale = [config.runtime(n).unit for n in active if config.runtime(n).unit in changed]
@@ -218,6 +227,7 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
 # --- waiting on units --------------------------------------------------------------------------
 
 SUB_STATE_PHASE = {
+    "dead": "waiting for the old runtime to stop",
     "start-pre": "waiting for the GPU and the port",
     "start": "starting",
     "start-post": "loading",
@@ -409,6 +419,9 @@ def start_runtime(
     """One StartUnit: Conflicts= stops the old runtime in the same transaction. Then verify."""
     timings: dict[str, float] = {}
     t0 = time.monotonic()
+    if sd.state(rt.unit).sub_state == "auto-restart":  # a crash loop: end it, then start afresh
+        sd.stop(rt.unit)
+        wait_stopped(sd, rt.unit, rt.stop_timeout_s * 2 + 30)
     sd.reset_failed(rt.unit)  # a manual switch is not a crash loop: clear the start limit
     sd.start(rt.unit)
     others = [o for o in config.runtimes.values() if o.name != rt.name]
@@ -439,8 +452,12 @@ def switch(
     with state.switch_lock(lay.state_dir, target_name), systemd.connect(scope) as sd:
         notes = preflight(config, lay, sd, target)
         phases = {"preflight": time.monotonic() - t0}
-        active = active_runtimes(config, sd)
-        previous = active[0] if active else None
+        serving = [
+            n
+            for n in active_runtimes(config, sd)
+            if sd.state(config.runtime(n).unit).active_state == "active"
+        ]
+        previous = serving[0] if serving else None
         if previous == target_name and not restart:
             answer = verify_through_proxy(config, lay)
             notes.append(f"{target_name} is already serving")

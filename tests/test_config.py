@@ -194,3 +194,20 @@ def test_missing_config_file_says_what_to_do(tmp_path: Path) -> None:
         f"error: {tmp_path / 'nope.toml'}: no such configuration file\n"
         "hint: copy examples/demo.toml or examples/b70.toml there, or pass --config\n"
     )
+
+
+def test_install_writes_nothing_when_systemd_analyze_verify_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = GOOD.replace('command = ["/usr/bin/true"]', 'command = ["/nonexistent/llama-server"]')
+    path = tmp_path / "appliance.toml"
+    path.write_text(text)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    before = tree_snapshot(tmp_path)
+    result = CliRunner().invoke(cli, ["--user", "--config", str(path), "install"])
+    assert result.exit_code == 1
+    assert "do not pass `systemd-analyze verify`; nothing was installed" in result.stderr
+    assert "Command /nonexistent/llama-server is not executable" in result.stderr
+    assert tree_snapshot(tmp_path) == before

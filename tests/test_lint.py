@@ -13,7 +13,10 @@ BIN = Path(sys.executable).parent
 
 def test_ruff() -> None:
     out = subprocess.run(
-        [str(BIN / "ruff"), "check", "appliance", "tests", "scripts"], cwd=REPO, capture_output=True, text=True
+        [str(BIN / "ruff"), "check", "appliance", "tests", "scripts"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
