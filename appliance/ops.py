@@ -200,11 +200,12 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
     units = [rt.unit for rt in config.runtimes.values()] + [PROXY_UNIT]
     removed = []
     with systemd.connect(scope) as sd:
-        for unit in units:
+        loaded = [u for u in units if sd.state(u).load_state != "not-found"]
+        for unit in loaded:
             sd.stop(unit)
-        for unit in units:
+        for unit in loaded:
             wait_stopped(sd, unit, 300)
-        sd.disable(units)
+        sd.disable([u for u in loaded if lay.destination(u).exists()])
         for name in [*units, PROXY_CONFIG]:
             path = lay.destination(name)
             if path.exists():
@@ -227,7 +228,7 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
 # --- waiting on units --------------------------------------------------------------------------
 
 SUB_STATE_PHASE = {
-    "dead": "waiting for the old runtime to stop",
+    "dead": "queued behind the old runtime's stop",
     "start-pre": "waiting for the GPU and the port",
     "start": "starting",
     "start-post": "loading",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from appliance import health
 from appliance.errors import ApplianceError
 
-POLL_S = 0.25
+POLL_S = 0.1
 
 
 def log(message: str) -> None:

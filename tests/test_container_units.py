@@ -197,3 +197,21 @@ def _wait_listening(port: int) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError(f"nothing listens on {port}")
+
+
+def test_uninstall_stops_and_removes_everything_and_can_run_twice(
+    container_app: tuple[Appliance, Path],
+) -> None:
+    app, _ = container_app
+    config_home = Path(app.manager.env["XDG_CONFIG_HOME"])
+    assert (config_home / "systemd" / "user" / "b70-ctr.service").exists()
+    out = app.b70ctl("uninstall")
+    assert out.returncode == 0, out.stderr
+    assert not list((config_home / "systemd" / "user").glob("b70-*.service"))
+    assert not (config_home / "b70" / "litellm.yaml").exists()
+    assert (config_home / "b70" / "proxy.env").exists()  # kept without --purge
+    for unit in ("b70-llamacpp.service", "b70-ctr.service", "b70-litellm.service"):
+        assert app.manager.systemctl("is-active", unit).strip() == "inactive"
+    again = app.b70ctl("uninstall", "--purge")
+    assert again.returncode == 0, again.stderr
+    assert not (config_home / "b70" / "proxy.env").exists()
