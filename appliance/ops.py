@@ -134,13 +134,16 @@ def install(
     files = render_all(config, lay)
     verify_units(files, scope)  # before anything is written
     changed = changed_files(files, lay)
+    runtime_units = [rt.unit for rt in config.runtimes.values()]
     with systemd.connect(scope) as sd:
+        if now:  # what would keep the units from starting, before anything is written
+            check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
+            check_port(sd, runtime_units, config.backend.port, "backend")
         key_created = ensure_key(lay)
         lay.state_dir.mkdir(parents=True, exist_ok=True)
         for name, text in changed.items():
             write_atomic(lay.destination(name), text)
         sd.reload()
-        runtime_units = [rt.unit for rt in config.runtimes.values()]
         enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
         to_enable = [PROXY_UNIT] + (
             [] if enabled_runtime else [config.runtime(config.default_runtime).unit]
@@ -309,19 +312,7 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
     if sd.state(target.unit).load_state != "loaded":
         raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
     check_runtime_files(config, target)
-    ours: set[int] = set()
-    for rt in config.runtimes.values():
-        pid = sd.state(rt.unit).main_pid
-        if pid:
-            ours |= health.process_tree(pid)
-    foreign = [lst for lst in health.listeners(config.backend.port) if lst.pid not in ours]
-    if foreign:
-        raise ApplianceError(
-            f"the backend port {config.backend.port} is held by {health.describe(foreign)}, "
-            "which is not an appliance runtime",
-            hint="stop that process, or choose another [backend] port",
-            code="port_busy",
-        )
+    check_port(sd, [rt.unit for rt in config.runtimes.values()], config.backend.port, "backend")
     if sd.state(PROXY_UNIT).active_state != "active":
         raise _preflight(
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
@@ -329,6 +320,23 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
         )
     notes.append("no Intel GPU memory gate yet: GPU memory not checked")
     return notes
+
+
+def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> None:
+    """Refuse a port that a process outside `units` listens on, naming that process."""
+    ours: set[int] = set()
+    for unit in units:
+        pid = sd.state(unit).main_pid
+        if pid:
+            ours |= health.process_tree(pid)
+    foreign = [lst for lst in health.listeners(port) if lst.pid not in ours]
+    if foreign:
+        raise ApplianceError(
+            f"the {role} port {port} is held by {health.describe(foreign)}, "
+            "which is not part of the appliance",
+            hint=f"stop that process, or choose another [{role}] port in the config",
+            code="port_busy",
+        )
 
 
 def _preflight(message: str, hint: str) -> ApplianceError:

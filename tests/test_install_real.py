@@ -1,0 +1,75 @@
+"""`b70ctl install` and `render --diff` against a real systemd user manager."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    Appliance,
+    demo_config_text,
+    free_port,
+    require_real_parts,
+    running_manager,
+    tree_snapshot,
+)
+
+
+@pytest.fixture
+def fresh(tmp_path: Path) -> Iterator[Appliance]:
+    require_real_parts()
+    with running_manager(tmp_path / "manager") as manager:
+        cfg = tmp_path / "appliance.toml"
+        proxy_port, backend_port = free_port(), free_port()
+        cfg.write_text(demo_config_text(proxy_port, backend_port))
+        app = Appliance(manager, cfg, proxy_port, backend_port)
+        try:
+            yield app
+        finally:
+            app.b70ctl("uninstall", "--purge")
+
+
+def test_a_busy_proxy_port_is_named_and_nothing_is_written(fresh: Appliance) -> None:
+    homes = Path(fresh.manager.env["XDG_CONFIG_HOME"]).parent
+    before = tree_snapshot(homes / "config")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", fresh.proxy_port))
+        squatter.listen()
+        out = fresh.b70ctl("install")
+    assert out.returncode == 1
+    assert f"error: the proxy port {fresh.proxy_port} is held by pid " in out.stderr
+    assert "which is not part of the appliance" in out.stderr
+    assert tree_snapshot(homes / "config") == before
+    # Once the port is free the same command succeeds.
+    fresh.b70ctl("install", check=True)
+    assert fresh.json("status")["result"]["active_runtime"] == "llamacpp"
+
+
+def test_render_diff_and_a_second_install(fresh: Appliance) -> None:
+    fresh.b70ctl("install", check=True)
+    clean = fresh.b70ctl("render", "--diff")
+    assert clean.returncode == 0 and clean.stdout == ""
+    again = fresh.json("install")["result"]
+    assert again["written"] == [] and again["started"] == [] and not again["key_created"]
+
+    text = fresh.config.read_text().replace('"--threads", "2"]', '"--threads", "1"]')
+    fresh.config.write_text(text)
+    diff = fresh.b70ctl("render", "--diff")
+    assert diff.returncode == 1
+    assert "-ExecStart=" in diff.stdout and "--threads 1" in diff.stdout
+    # A switch refuses a unit that no longer matches the config, and says what to do.
+    stale = fresh.b70ctl("switch", "llamacpp", "--restart")
+    assert stale.returncode == 1
+    assert "b70-llamacpp.service differs from what" in stale.stderr
+    assert "hint: run `b70ctl render --diff` to see how, then `b70ctl install`" in stale.stderr
+    third = fresh.json("install")["result"]
+    assert [Path(p).name for p in third["written"]] == ["b70-llamacpp.service"]
+    assert third["notes"] == [
+        "b70-llamacpp.service changed while it runs; `b70ctl switch llamacpp --restart` applies it"
+    ]
+    restarted = fresh.json("switch", "llamacpp", "--restart")["result"]
+    assert restarted["ok"] and restarted["previous"] == "llamacpp"
+    assert fresh.b70ctl("render", "--diff").stdout == ""
