@@ -254,6 +254,78 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
         ) from None
 
 
+root_option = click.option(
+    "--root",
+    type=click.Path(path_type=Path),
+    hidden=True,
+    help="Read sysfs, /proc and /dev under this directory (fixture trees). Env: B70_SYSROOT.",
+)
+
+
+def gpu_root(root: Path | None) -> Path:
+    from appliance.gpu import sysroot
+
+    return root or sysroot()
+
+
+@cli.group(invoke_without_command=True)
+@root_option
+@with_json
+def gpu(ctx: Context, root: Path | None) -> None:
+    """List Intel GPUs, their memory, and who holds it (per process and unit).
+
+    \b
+    Example:
+      b70ctl gpu
+      b70ctl gpu --json | jq '.result.devices[0].free_bytes'
+    """
+    click_ctx = click.get_current_context()
+    if click_ctx.invoked_subcommand is not None:
+        return
+    from appliance import gpu as gpu_mod
+
+    snap = gpu_mod.snapshot(gpu_root(root))
+    if ctx.json:
+        output.emit_json(output.gpu_document(snap))
+    else:
+        click.echo(output.render_gpu(snap))
+
+
+@gpu.command("wait-free")
+@click.option(
+    "--need-bytes", type=int, default=0, show_default=True, help="Memory the start needs."
+)
+@click.option("--need-gib", type=float, help="The same in GiB.")
+@click.option("--device", default="auto", show_default=True, help="PCI address, or auto.")
+@click.option("--unit", help="The unit about to start (its own memory does not count).")
+@click.option("--timeout", "timeout_s", type=float, default=120, show_default=True)
+@root_option
+def gpu_wait_free(
+    need_bytes: int,
+    need_gib: float | None,
+    device: str,
+    unit: str | None,
+    timeout_s: float,
+    root: Path | None,
+) -> None:
+    """Wait until other runtimes have released GPU memory and enough is free.
+
+    Every runtime unit runs this as ExecStartPre. With no Intel GPU it passes at once.
+
+    \b
+    Example:
+      b70ctl gpu wait-free --need-gib 24 --timeout 120
+    """
+    from appliance import memgate
+
+    need = int(need_gib * memgate.GIB) if need_gib is not None else need_bytes
+    memgate.wait_start(gpu_root(root), device, need, unit, timeout_s, unitgate_log)
+
+
+def unitgate_log(message: str) -> None:
+    click.echo(message, err=True)
+
+
 @cli.group(hidden=True)
 def unit() -> None:
     """Gates that the rendered units run around their main process (not for people)."""
@@ -261,9 +333,8 @@ def unit() -> None:
 
 @unit.command("pre")
 @click.option("--port", type=int, required=True)
-@click.option("--host", default="127.0.0.1")
 @click.option("--wait", "wait_s", type=float, default=10.0)
-def unit_pre(port: int, host: str, wait_s: float) -> None:
+def unit_pre(port: int, wait_s: float) -> None:
     """ExecStartPre: the backend port must be free."""
     from appliance import unitgate
 

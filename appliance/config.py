@@ -93,6 +93,7 @@ class RuntimeConfig:
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
     restart_burst: int = 3
+    memory_needed_bytes: int = 0
 
     @property
     def unit(self) -> str:
@@ -241,7 +242,7 @@ class _Reader:
         if not runtimes_table:
             raise self.fail("runtimes", "no runtime is configured", "add a [runtimes.NAME] table")
         runtimes = {
-            name: self.runtime(name, self.table(runtimes_table, name, "runtimes."))
+            name: self.runtime(name, self.table(runtimes_table, name, "runtimes."), gpu)
             for name in runtimes_table
         }
         default = self.get(data, "default_runtime", "", str)
@@ -304,7 +305,7 @@ class _Reader:
             release_timeout_s=self.get(t, "release_timeout_s", p, float, 120.0, _positive),
         )
 
-    def runtime(self, name: str, t: Mapping[str, Any]) -> RuntimeConfig:
+    def runtime(self, name: str, t: Mapping[str, Any], gpu: GpuConfig) -> RuntimeConfig:
         p = f"runtimes.{name}."
         if not NAME_RE.match(name):
             raise self.fail(
@@ -325,6 +326,7 @@ class _Reader:
             "start_timeout_s",
             "stop_timeout_s",
             "restart_burst",
+            "memory_needed_gib",
         }
         self.known(t, p, allowed)
         engine = self.choice(t, "engine", p, Engine, None)
@@ -361,6 +363,7 @@ class _Reader:
             raise self.fail(p + "mmproj", "only the llamacpp engine takes a vision projector")
         model = os.path.expanduser(self.get(t, "model", p, str, None, _nonempty))
         start_default = DEFAULT_START_TIMEOUT_S[engine]
+        needed_gib = self.get(t, "memory_needed_gib", p, float, -1.0, _non_negative)
         return RuntimeConfig(
             name=name,
             engine=engine,
@@ -378,6 +381,10 @@ class _Reader:
             stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, _positive),
             restart_burst=self.get(
                 t, "restart_burst", p, int, 3, lambda v: None if v >= 1 else ">= 1"
+            ),
+            # [gpu] memory_needed_gib is the default for every runtime
+            memory_needed_bytes=(
+                int(needed_gib * GIB) if needed_gib >= 0 else gpu.memory_needed_bytes
             ),
         )
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from appliance import health, runtimes, state, systemd
+from appliance import gpu, health, memgate, runtimes, state, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig, Scope
 from appliance.errors import ApplianceError
 from appliance.render import (
@@ -318,8 +318,29 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
             f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
         )
-    notes.append("no Intel GPU memory gate yet: GPU memory not checked")
+    snap = gpu.snapshot(gpu.sysroot())
+    need = target.memory_needed_bytes
+    verdict = memgate.judge_switch(snap, config.gpu.device, need, container_pids(config))
+    if not verdict.ok:
+        raise ApplianceError(
+            f"{target.name} would not have enough GPU memory: {verdict.reason}",
+            hint="stop that process first; `b70ctl gpu` shows every holder",
+            code="gpu_memory_busy",
+        )
+    notes.append(f"GPU memory: {verdict.reason}")
     return notes
+
+
+def container_pids(config: Config) -> set[int]:
+    """Processes of the appliance's containers: they live outside the b70 units' cgroups."""
+    pids: set[int] = set()
+    for rt in config.runtimes.values():
+        if rt.launcher is not Launcher.NATIVE:
+            cli = config.docker if rt.launcher is Launcher.DOCKER else config.podman
+            pid = health.container_pid(cli, runtimes.container_name(rt))
+            if pid:
+                pids |= health.process_tree(pid)
+    return pids
 
 
 def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> None:

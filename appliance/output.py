@@ -87,3 +87,76 @@ def render_switch(r: dict[str, Any]) -> str:
     ]
     lines += [f"note: {n}" for n in r["notes"]]
     return "\n".join(lines)
+
+
+def size(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1024**3:.1f} GiB"
+
+
+def gpu_document(snap: Any) -> dict[str, Any]:
+    return {
+        "devices": [
+            {
+                "pci_slot": m.device.pci_slot,
+                "name": m.device.name,
+                "vendor_id": f"{m.device.vendor_id:#06x}",
+                "device_id": f"{m.device.device_id:#06x}",
+                "driver": m.device.driver,
+                "card": m.device.card,
+                "render_node": m.device.render_node,
+                "total_bytes": m.total_bytes,
+                "used_bytes": m.used_bytes,
+                "free_bytes": m.free_bytes,
+                "source": m.source,
+                "error": m.error,
+                "holders": [
+                    {"pid": h.pid, "command": h.command, "unit": h.unit, "vram_bytes": b}
+                    for h, b in m.holders
+                ],
+            }
+            for m in snap.devices
+        ],
+        "unreadable_pids": snap.unreadable_pids,
+        "other_gpus": [d.pci_slot for d in snap.ignored],
+    }
+
+
+def render_gpu(snap: Any) -> str:
+    if not snap.devices:
+        return "no Intel GPU found"
+    rows = [["DEVICE", "NAME", "DRIVER", "RENDER", "TOTAL", "USED", "FREE", "SOURCE"]]
+    for m in snap.devices:
+        d = m.device
+        name = d.name or f"{d.vendor_id:04x}:{d.device_id:04x}"
+        rows.append(
+            [
+                d.pci_slot,
+                name,
+                d.driver or "-",
+                d.render_node or "-",
+                size(m.total_bytes),
+                size(m.used_bytes),
+                size(m.free_bytes),
+                m.source,
+            ]
+        )
+    lines = [table(rows)]
+    holders = [["PID", "UNIT", "DEVICE", "VRAM", "COMMAND"]]
+    for m in snap.devices:
+        for h, b in m.holders:
+            holders.append(
+                [str(h.pid), h.unit or "-", m.device.pci_slot, size(b), (h.command or "?")[:60]]
+            )
+    if len(holders) > 1:
+        lines += ["", table(holders)]
+    for m in snap.devices:
+        if m.error:
+            lines.append(f"note: {m.error}")
+        if m.used_bytes is None and m.total_bytes is not None:
+            lines.append(
+                f"note: {m.device.pci_slot}: reading used memory needs CAP_PERFMON; "
+                "free is estimated from the holders"
+            )
+    if snap.unreadable_pids:
+        lines.append(f"note: {snap.unreadable_pids} processes could not be read (other users)")
+    return "\n".join(lines)

@@ -141,17 +141,10 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
                 for i, a in enumerate(runtimes.exec_stop_post(config, runtime)[0])
             ]
         )
-    pre.append(
-        [
-            config.b70ctl,
-            "unit",
-            "pre",
-            "--port",
-            str(config.backend.port),
-            "--host",
-            config.backend.host,
-        ]
-    )
+    wait_free = [config.b70ctl, "gpu", "wait-free", "--device", config.gpu.device]
+    wait_free += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
+    pre.append([*wait_free, "--timeout", f"{config.gpu.release_timeout_s:g}"])
+    pre.append([config.b70ctl, "unit", "pre", "--port", str(config.backend.port)])
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config)]
     post += ["--engine", runtime.engine.value, "--pid", MAINPID]
     if runtime.launcher is not Launcher.NATIVE:

@@ -114,8 +114,11 @@ class Appliance:
     ) -> subprocess.CompletedProcess[str]:
         out = subprocess.run(
             [B70CTL, "--user", "--config", str(self.config), *args],
-            env=self.manager.env, capture_output=True, text=True, timeout=timeout,
-        )  # fmt: skip
+            env=self.manager.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check and out.returncode != 0:
             raise AssertionError(f"b70ctl {' '.join(args)} exited {out.returncode}:\n{out.stderr}")
         return out
@@ -160,6 +163,9 @@ engine = "llamacpp"
 command = ["{LLAMA_SERVER}"]
 model = "{corrupt}"
 start_timeout_s = 60
+
+[gpu]
+memory_needed_gib = 1
 """
     proxy_port, backend_port = free_port(), free_port()
     config = root / "appliance.toml"

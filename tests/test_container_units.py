@@ -113,21 +113,28 @@ def test_container_unit_runs_the_exact_argv_and_environment(
     app.b70ctl("switch", "ctr", check=True)
     made = calls(record)
     verbs = [c["argv"][0] for c in made]
-    # Preflight looks for the image; the unit removes a stale container of the same name, runs
-    # it, and its health gate asks for the container's pid.
-    assert verbs[:4] == ["image", "rm", "run", "inspect"], verbs
+    # Preflight looks for the image and asks for the pids of the appliance's containers (their
+    # GPU memory is the appliance's own); then the unit removes a stale container of the same
+    # name, runs it, and its health gate asks for the container's pid.
     assert made[0]["argv"] == ["image", "inspect", IMAGE]
-    assert made[1]["argv"] == ["rm", "--force", "b70-ctr"]
+    preflight = [c["argv"] for c in made[1 : verbs.index("rm")]]
+    assert sorted(preflight) == [
+        ["inspect", "--format", "{{.State.Pid}}", "b70-ctr"],
+        ["inspect", "--format", "{{.State.Pid}}", "b70-missing"],
+    ]
+    unit = made[verbs.index("rm") :]
+    assert [c["argv"][0] for c in unit[:3]] == ["rm", "run", "inspect"]
+    assert unit[0]["argv"] == ["rm", "--force", "b70-ctr"]
     cfg = config_mod.load(app.config)
     expected = runtimes.exec_start(cfg, cfg.runtimes["ctr"])
-    assert made[2]["argv"] == expected[1:]
-    assert made[2]["env"] == TRICKY_ENV
+    assert unit[1]["argv"] == expected[1:]
+    assert unit[1]["env"] == TRICKY_ENV
     assert app.ask().strip()
 
     record.write_text("")
     app.b70ctl("switch", "llamacpp", check=True)
-    verbs = [c["argv"] for c in calls(record)]
-    assert verbs[:2] == [["stop", "--time", "10", "b70-ctr"], ["rm", "--force", "b70-ctr"]]
+    stopping = [c["argv"] for c in calls(record) if c["argv"][0] != "inspect"]
+    assert stopping == [["stop", "--time", "10", "b70-ctr"], ["rm", "--force", "b70-ctr"]]
 
 
 def test_a_missing_image_is_refused_before_anything_changes(

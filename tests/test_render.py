@@ -58,8 +58,9 @@ def verify_root(tmp_path: Path, files: dict[str, str]) -> Path:
 def analyze_verify(root: Path, units: list[str]) -> str:
     out = subprocess.run(
         ["systemd-analyze", "verify", "--man=no", f"--root={root}", *units],
-        capture_output=True, text=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+    )
     return out.stdout + out.stderr
 
 

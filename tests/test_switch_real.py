@@ -75,8 +75,11 @@ def test_round_trip_llamacpp_vllm_llamacpp(appliance: Appliance) -> None:
     try:
         first = subprocess.Popen(
             [*appliance_argv(appliance), "switch", "vllm", "--json"],
-            env=appliance.manager.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            env=appliance.manager.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         # A second switch while the first one runs is refused and names the first.
         lock = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "switch.lock"
         deadline = time.monotonic() + 30
@@ -166,3 +169,31 @@ def appliance_argv(app: Appliance) -> list[str]:
     from tests.conftest import B70CTL
 
     return [B70CTL, "--user", "--config", str(app.config)]
+
+
+def test_a_foreign_gpu_holder_is_named_and_the_switch_refused(
+    appliance: Appliance, tmp_path: Path
+) -> None:
+    from tests import gpu_trees as t
+
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    before = appliance.json("status")["result"]["units"]
+    tree = t.build(
+        tmp_path / "root",
+        [t.Card(t.B70, vram_used=31 * t.GIB + 700 * 1024**2)],
+        [t.foreign(resident="31 GiB")],
+    )
+    env = dict(appliance.manager.env, B70_SYSROOT=str(tree))
+    out = subprocess.run(
+        [*appliance_argv(appliance), "switch", "vllm"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 1
+    assert (
+        "error: vllm would not have enough GPU memory: 0000:03:00.0: only 0.3 GiB of 32.0 GiB"
+        in out.stderr
+    )
+    assert "pid 5151 (python3 train.py --epochs 3) in session-3.scope: 31.0 GiB" in out.stderr
+    after = appliance.json("status")["result"]["units"]
+    assert [(u["unit"], u["active"], u["main_pid"]) for u in after] == [
+        (u["unit"], u["active"], u["main_pid"]) for u in before
+    ]

@@ -1,0 +1,421 @@
+"""GPU memory readers and gates on fixture trees in the kernel's formats."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance import gpu, memgate
+from appliance.errors import ApplianceError
+from tests import gpu_trees as t
+
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
+GIB = t.GIB
+
+
+# --- the uapi layout, byte for byte ------------------------------------------------------------
+
+
+def test_ioctl_request_number_matches_the_uapi() -> None:
+    # DRM_IOWR(DRM_COMMAND_BASE + DRM_XE_DEVICE_QUERY, struct drm_xe_device_query)
+    assert gpu.DRM_IOCTL_XE_DEVICE_QUERY == 0xC0286440
+    assert gpu.DEVICE_QUERY.size == 40
+    assert gpu.MEM_REGIONS_HEADER.size == 8
+    assert gpu.MEM_REGION.size == 88
+
+
+def test_device_query_is_packed_field_by_field() -> None:
+    packed = gpu.pack_device_query(query=1, size=0x1234, data=0xDEADBEEF)
+    expected = (
+        (0).to_bytes(8, "little")  # extensions
+        + (1).to_bytes(4, "little")  # query: DRM_XE_DEVICE_QUERY_MEM_REGIONS
+        + (0x1234).to_bytes(4, "little")  # size
+        + (0xDEADBEEF).to_bytes(8, "little")  # data (a user pointer)
+        + bytes(16)  # reserved[2]
+    )
+    assert packed == expected
+
+
+def test_mem_regions_reply_is_parsed_field_by_field() -> None:
+    def region(cls: int, inst: int, total: int, used: int) -> bytes:
+        return (
+            cls.to_bytes(2, "little")
+            + inst.to_bytes(2, "little")
+            + (4096).to_bytes(4, "little")
+            + total.to_bytes(8, "little")
+            + used.to_bytes(8, "little")
+            + total.to_bytes(8, "little")
+            + used.to_bytes(8, "little")
+            + bytes(48)
+        )
+
+    reply = (
+        (2).to_bytes(4, "little")
+        + bytes(4)
+        + region(0, 0, 64 * GIB, 0)
+        + region(1, 0, 32 * GIB, 5 * GIB)
+    )
+    regions = gpu.parse_mem_regions(reply, used_is_reliable=True)
+    assert regions == [gpu.Region(0, 0, 64 * GIB, 0), gpu.Region(1, 0, 32 * GIB, 5 * GIB)]
+    assert gpu.parse_mem_regions(reply, used_is_reliable=False)[1].used_bytes is None
+    with pytest.raises(ValueError, match="claims 2 regions"):
+        gpu.parse_mem_regions(reply[:100], used_is_reliable=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("4096", 4096),
+        ("4 KiB", 4096),
+        ("3 MiB", 3 * 1024**2),
+        ("2 GiB", 2 * GIB),
+        ("12 TiB", None),
+        ("lots", None),
+        ("", None),
+        ("-5 KiB", None),
+    ],
+)
+def test_sizes_in_fdinfo(text: str, value: int | None) -> None:
+    assert gpu.parse_size(text) == value
+
+
+@pytest.mark.parametrize(
+    ("cgroup", "unit"),
+    [
+        ("0::/system.slice/b70-vllm.service\n", "b70-vllm.service"),
+        (
+            "0::/user.slice/user-0.slice/user@0.service/app.slice/b70-llamacpp.service\n",
+            "b70-llamacpp.service",
+        ),
+        ("0::/system.slice/b70-vllm.service/libpod-payload-5e1f\n", "b70-vllm.service"),
+        ("0::/system.slice/docker-5e1f0c.scope\n", "docker-5e1f0c.scope"),
+        ("12:memory:/foo\n0::/\n", None),
+    ],
+)
+def test_unit_from_cgroup(cgroup: str, unit: str | None) -> None:
+    assert gpu.parse_cgroup_unit(cgroup) == unit
+
+
+# --- fixture trees -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    return tmp_path / "root"
+
+
+def test_idle_b70(tree: Path) -> None:
+    t.build(tree, [t.Card(t.B70)], [])
+    snap = gpu.snapshot(tree)
+    (mem,) = snap.devices
+    assert mem.device == gpu.Device(t.B70, 0x8086, 0xE223, "xe", "card1", "renderD128")
+    assert mem.device.is_b70 and mem.device.name == "Intel Arc Pro B70"
+    assert (mem.total_bytes, mem.used_bytes, mem.source) == (32 * GIB, 300 * 1024**2, "xe-query")
+    assert mem.holders == []
+    assert memgate.judge_start(snap, "auto", 24 * GIB, "b70-vllm.service").ok
+
+
+def test_b70_with_llama_server_holding_22_gib(tree: Path) -> None:
+    card = t.Card(t.B70, vram_used=22 * GIB + 300 * 1024**2)
+    t.build(tree, [card], [t.llama_server()])
+    snap = gpu.snapshot(tree)
+    (mem,) = snap.devices
+    ((holder, held),) = mem.holders
+    assert (holder.pid, holder.unit, held) == (4242, "b70-llamacpp.service", 22 * GIB)
+    assert holder.command is not None and holder.command.startswith(
+        "/opt/llama.cpp/bin/llama-server --model"
+    )
+    start = memgate.judge_start(snap, "auto", 24 * GIB, "b70-vllm.service")
+    assert not start.ok
+    assert start.reason == (
+        "still held by pid 4242 (/opt/llama.cpp/bin/llama-server --model /var/lib/b70/models/q.gguf -ngl 99) "
+        "in b70-llamacpp.service: 22.0 GiB"
+    )
+    # The runtime's own memory does not count against itself (a restart of the same unit).
+    assert memgate.judge_start(snap, "auto", 8 * GIB, "b70-llamacpp.service").ok
+    # A switch is fine: the appliance's own memory is released when the runtime stops.
+    assert memgate.judge_switch(snap, "auto", 26 * GIB, set()).ok
+
+
+def test_a_foreign_holder_is_named_and_refused(tree: Path) -> None:
+    card = t.Card(t.B70, vram_used=20 * GIB + 300 * 1024**2)
+    t.build(tree, [card], [t.foreign()])
+    snap = gpu.snapshot(tree)
+    verdict = memgate.judge_switch(snap, "auto", 24 * GIB, set())
+    assert not verdict.ok
+    assert verdict.reason == (
+        "0000:03:00.0: only 11.7 GiB of 32.0 GiB would be free for 24.0 GiB; outside the appliance: "
+        "pid 5151 (python3 train.py --epochs 3) in session-3.scope: 20.0 GiB"
+    )
+    assert memgate.judge_switch(snap, "auto", 10 * GIB, set()).ok
+    # A container of the appliance lives outside b70 units: its pids are passed in as ours.
+    assert memgate.judge_switch(snap, "auto", 24 * GIB, {5151}).ok
+
+
+def test_two_b70s(tree: Path) -> None:
+    cards = [t.Card(t.B70), t.Card(t.B70_2, card="card2", render="renderD129", vram_used=GIB)]
+    second = t.Proc(
+        6000,
+        ["llama-server"],
+        t.VLLM_CGROUP,
+        [t.Client(fd=5, slot=t.B70_2, client_id=3, resident="1 GiB", render="renderD129")],
+    )
+    t.build(tree, cards, [t.llama_server(), second])
+    snap = gpu.snapshot(tree)
+    assert [m.device.pci_slot for m in snap.devices] == [t.B70, t.B70_2]
+    assert [[h.pid for h, _ in m.holders] for m in snap.devices] == [[4242], [6000]]
+    assert [m.device.render_node for m in snap.devices] == ["renderD128", "renderD129"]
+    assert memgate.pick_device(snap, "auto").device.pci_slot == t.B70  # type: ignore[union-attr]
+    assert memgate.pick_device(snap, t.B70_2).device.pci_slot == t.B70_2  # type: ignore[union-attr]
+    with pytest.raises(ApplianceError, match=r"no Intel GPU at PCI address 0000:04:00\.0"):
+        memgate.pick_device(snap, "0000:04:00.0")
+
+
+def test_an_i915_and_an_amdgpu_card_beside_the_b70(tree: Path) -> None:
+    cards = [
+        t.Card("0000:00:02.0", device=0xA780, driver="i915", card="card0", render="renderD128"),
+        t.Card(t.B70, card="card1", render="renderD129"),
+        t.Card(
+            "0000:0a:00.0",
+            vendor=0x1002,
+            device=0x744C,
+            driver="amdgpu",
+            card="card2",
+            render="renderD130",
+        ),
+    ]
+    t.build(tree, cards, [])
+    snap = gpu.snapshot(tree)
+    assert [(m.device.pci_slot, m.device.driver) for m in snap.devices] == [
+        ("0000:00:02.0", "i915"),
+        (t.B70, "xe"),
+    ]
+    i915, b70 = snap.devices
+    assert (i915.total_bytes, i915.source) == (None, "fdinfo")
+    assert b70.total_bytes == 32 * GIB
+    assert [d.driver for d in snap.ignored] == ["amdgpu"]
+    assert memgate.pick_device(snap, "auto") is b70
+
+
+def test_garbage_fdinfo_lines_are_skipped(tree: Path) -> None:
+    garbage = [
+        "nonsense without a colon",
+        "drm-total-vram0:\tlots",
+        "drm-resident-vram1:\t12 TiB",
+        ":::",
+        "\x01\x02",
+    ]
+    proc = t.llama_server()
+    proc.clients[0].extra_lines = garbage
+    t.build(tree, [t.Card(t.B70)], [proc])
+    ((_, held),) = gpu.snapshot(tree).devices[0].holders
+    assert held == 22 * GIB
+    assert gpu.parse_fdinfo("pos:\t0\nflags:\t02\n") is None  # not a DRM client
+    client = gpu.parse_fdinfo("drm-driver:\txe\ndrm-resident-vram0:\tmany\n")
+    assert client is not None and client.resident_vram_bytes == 0
+
+
+def test_duplicated_drm_fds_count_once(tree: Path) -> None:
+    proc = t.llama_server()
+    proc.clients.append(
+        t.Client(fd=8, slot=t.B70, client_id=12, resident=proc.clients[0].resident)
+    )  # dup()
+    child = t.Proc(
+        4243, ["llama-server-worker"], t.LLAMA_CGROUP, [proc.clients[0]]
+    )  # fork() inherits
+    t.build(tree, [t.Card(t.B70)], [proc, child])
+    (mem,) = gpu.snapshot(tree).devices
+    assert [(h.pid, b) for h, b in mem.holders] == [(4242, 22 * GIB)]
+
+
+def test_used_is_unknown_without_cap_perfmon(tree: Path) -> None:
+    t.build(tree, [t.Card(t.B70, vram_used=0)], [t.llama_server()], caps=t.USER_CAPS)
+    (mem,) = gpu.snapshot(tree).devices
+    assert mem.used_bytes is None
+    assert mem.free_bytes == 10 * GIB  # estimated: total minus what the holders hold
+
+
+@pytest.fixture
+def readable_tree() -> Iterator[Path]:
+    top = Path(tempfile.mkdtemp(prefix="b70-gpu-"))
+    top.chmod(0o755)
+    yield top / "root"
+    shutil.rmtree(top)
+
+
+def test_proc_entries_of_other_users_cannot_be_read(readable_tree: Path) -> None:
+    hidden = t.foreign(pid=7000)
+    hidden.unreadable = True
+    t.build(readable_tree, [t.Card(t.B70)], [t.llama_server(), hidden])
+    # As an unprivileged user the root-owned fd directory of pid 7000 cannot be listed.
+    code = (
+        "import json, sys; from pathlib import Path; from appliance import gpu; "
+        "s = gpu.read_holders(Path(sys.argv[1])); "
+        "print(json.dumps([s.unreadable_pids, [h.pid for h in s.holders]]))"
+    )
+    out = subprocess.run(
+        [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            sys.executable,
+            "-c",
+            code,
+            str(readable_tree),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert json.loads(out.stdout) == [1, [4242]]
+
+
+# --- b70ctl gpu and wait-free ------------------------------------------------------------------
+
+
+def b70ctl(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([B70CTL, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_gpu_command_lists_devices_and_holders(tree: Path) -> None:
+    t.build(tree, [t.Card(t.B70, vram_used=42 * GIB // 2)], [t.llama_server(), t.foreign()])
+    out = b70ctl("gpu", "--root", str(tree))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == [
+        "DEVICE",
+        "NAME",
+        "DRIVER",
+        "RENDER",
+        "TOTAL",
+        "USED",
+        "FREE",
+        "SOURCE",
+    ]
+    assert lines[1].split() == [
+        t.B70,
+        "Intel",
+        "Arc",
+        "Pro",
+        "B70",
+        "xe",
+        "renderD128",
+        "32.0",
+        "GiB",
+        "21.0",
+        "GiB",
+        "11.0",
+        "GiB",
+        "xe-query",
+    ]
+    assert (
+        "4242  b70-llamacpp.service  0000:03:00.0  22.0 GiB  /opt/llama.cpp/bin/llama-server"
+        in out.stdout
+    )
+    assert "5151  session-3.scope" in out.stdout
+    doc = json.loads(b70ctl("gpu", "--root", str(tree), "--json").stdout)
+    (dev,) = doc["result"]["devices"]
+    assert dev["device_id"] == "0xe223" and dev["total_bytes"] == 32 * GIB
+    assert {h["pid"]: h["vram_bytes"] for h in dev["holders"]} == {4242: 22 * GIB, 5151: 20 * GIB}
+
+
+def test_wait_free_passes_at_once_without_a_gpu(tmp_path: Path) -> None:
+    out = b70ctl("gpu", "wait-free", "--root", str(tmp_path), "--need-gib", "24", "--timeout", "5")
+    assert out.returncode == 0
+    assert "no Intel GPU found: nothing to wait for" in out.stderr
+
+
+def test_wait_free_waits_until_the_old_runtime_lets_go(tree: Path) -> None:
+    card = t.Card(t.B70, vram_used=22 * GIB)
+    t.build(tree, [card], [t.llama_server()])
+
+    def release() -> None:
+        time.sleep(1.0)
+        shutil.rmtree(tree / "proc" / "4242")
+        time.sleep(0.5)  # the driver frees the memory a little after the process is gone
+        card.vram_used = 300 * 1024**2
+        (tree / "dev" / "dri" / "renderD128").write_bytes(t.mem_regions_reply(card))
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    started = time.monotonic()
+    out = b70ctl(
+        "gpu",
+        "wait-free",
+        "--root",
+        str(tree),
+        "--need-gib",
+        "24",
+        "--unit",
+        "b70-vllm.service",
+        "--timeout",
+        "20",
+    )
+    took = time.monotonic() - started
+    releaser.join()
+    assert out.returncode == 0, out.stderr
+    assert took >= 1.5
+    messages = out.stderr.splitlines()
+    assert messages[0].startswith("GPU memory: waiting: still held by pid 4242")
+    assert messages[1].startswith(
+        "GPU memory: waiting: 0000:03:00.0: 10.0 GiB free of 32.0 GiB, need 24.0 GiB"
+    )
+    assert messages[-1].startswith(
+        "GPU memory: 0000:03:00.0: 31.7 GiB free of 32.0 GiB, need 24.0 GiB (after"
+    )
+
+
+def test_wait_start_counts_polls(tree: Path) -> None:
+    t.build(tree, [t.Card(t.B70, vram_used=22 * GIB)], [t.llama_server()])
+    card = t.Card(t.B70)
+    polls: list[float] = []
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        polls.append(seconds)
+        now[0] += seconds
+        if len(polls) == 3:  # memory released after the third poll
+            shutil.rmtree(tree / "proc" / "4242")
+            (tree / "dev" / "dri" / "renderD128").write_bytes(t.mem_regions_reply(card))
+
+    logged: list[str] = []
+    verdict = memgate.wait_start(
+        tree,
+        "auto",
+        24 * GIB,
+        "b70-vllm.service",
+        60,
+        logged.append,
+        clock=lambda: now[0],
+        sleep=sleep,
+    )
+    assert verdict.ok
+    assert polls == [0.25, 0.25, 0.25]
+    assert (
+        logged[-1]
+        == "GPU memory: 0000:03:00.0: 31.7 GiB free of 32.0 GiB, need 24.0 GiB (after 0.8 s)"
+    )
+
+
+def test_wait_free_times_out_naming_the_holder(tree: Path) -> None:
+    t.build(tree, [t.Card(t.B70, vram_used=20 * GIB)], [t.foreign()])
+    started = time.monotonic()
+    out = b70ctl("gpu", "wait-free", "--root", str(tree), "--need-gib", "24", "--timeout", "1")
+    assert out.returncode == 1
+    assert time.monotonic() - started >= 1.0
+    assert (
+        "error: GPU memory was not free within 1 s: 0000:03:00.0: 12.0 GiB free of 32.0 GiB, need 24.0 GiB; "
+        "held by pid 5151 (python3 train.py --epochs 3) in session-3.scope: 20.0 GiB"
+    ) in out.stderr
+    assert "hint: `b70ctl gpu` shows who holds it" in out.stderr
