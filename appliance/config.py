@@ -90,6 +90,7 @@ class RuntimeConfig:
     devices: tuple[str, ...] = ()
     volumes: tuple[str, ...] = ()
     shm_size: str | None = None
+    user: str | None = None  # system scope: run as this user, with the render group and CAP_PERFMON
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
     restart_burst: int = 3
@@ -323,6 +324,7 @@ class _Reader:
             "devices",
             "volumes",
             "shm_size",
+            "user",
             "start_timeout_s",
             "stop_timeout_s",
             "restart_burst",
@@ -377,6 +379,7 @@ class _Reader:
             devices=self.strings(t, "devices", p),
             volumes=self.strings(t, "volumes", p),
             shm_size=self.get(t, "shm_size", p, str, "") or None,
+            user=self.get(t, "user", p, str, "", _user_name) or None,
             start_timeout_s=self.get(t, "start_timeout_s", p, float, start_default, _positive),
             stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, _positive),
             restart_burst=self.get(
@@ -435,6 +438,12 @@ def _model_name(value: str) -> str | None:
     if MODEL_NAME_RE.match(value):
         return None
     return f"{value!r} is not a model name (letters, digits and . _ : / -)"
+
+
+def _user_name(value: str) -> str | None:
+    if re.fullmatch(r"[a-z_][a-z0-9_-]{0,30}", value) and value != "root":
+        return None
+    return f"{value!r} is not a system user name (a-z, 0-9, _ and -; not root)"
 
 
 def _pci_address(value: str) -> str | None:

@@ -20,6 +20,7 @@ from appliance.errors import ApplianceError
 from appliance.render import (
     PROXY_CONFIG,
     PROXY_UNIT,
+    SYSUSERS,
     Layout,
     changed_files,
     layout,
@@ -108,6 +109,17 @@ def read_key(lay: Layout) -> str:
     )
 
 
+def create_users(sysusers_file: Path) -> None:
+    """systemd-sysusers creates the runtimes' users and adds them to the render group."""
+    out = subprocess.run(["systemd-sysusers", str(sysusers_file)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise ApplianceError(
+            f"systemd-sysusers could not create the runtime users: {out.stderr.strip()}",
+            hint=f"check {sysusers_file}",
+            code="install_failed",
+        )
+
+
 def ensure_key(lay: Layout) -> bool:
     if lay.key_file.exists():
         return False
@@ -143,6 +155,8 @@ def install(
         lay.state_dir.mkdir(parents=True, exist_ok=True)
         for name, text in changed.items():
             write_atomic(lay.destination(name), text)
+        if SYSUSERS in changed:
+            create_users(lay.destination(SYSUSERS))
         sd.reload()
         enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
         to_enable = [PROXY_UNIT] + (

@@ -20,6 +20,7 @@ from appliance.config import Config, Launcher, RuntimeConfig, Scope
 
 PROXY_UNIT = "b70-litellm.service"
 PROXY_CONFIG = "litellm.yaml"
+SYSUSERS = "b70-sysusers.conf"
 KEY_FILE = "proxy.env"
 RESTART_SEC = 5
 
@@ -55,6 +56,8 @@ class Layout:
         return "multi-user.target" if self.scope is Scope.SYSTEM else "default.target"
 
     def destination(self, file_name: str) -> Path:
+        if file_name == SYSUSERS:
+            return Path("/etc/sysusers.d/b70.conf")
         return (self.unit_dir if file_name.endswith(".service") else self.etc_dir) / file_name
 
 
@@ -168,6 +171,7 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
             exec_stop_post=runtimes.exec_stop_post(config, runtime),
             timeout_stop_s=runtime.stop_timeout_s + 15,
             start_limit_interval_s=interval,
+        run_as=runtime.user if lay.scope is Scope.SYSTEM else None,
             wanted_by=lay.wanted_by,
         )
     )
@@ -215,7 +219,24 @@ def render_all(config: Config, lay: Layout) -> dict[str, str]:
     files = {rt.unit: render_runtime_unit(config, rt, lay) for rt in config.runtimes.values()}
     files[PROXY_UNIT] = render_proxy_unit(config, lay)
     files[PROXY_CONFIG] = render_proxy_config(config)
+    users = run_as_users(config, lay)
+    if users:
+        files[SYSUSERS] = render_sysusers(users)
     return dict(sorted(files.items()))
+
+
+def run_as_users(config: Config, lay: Layout) -> list[str]:
+    """System users the runtimes run as (a user manager cannot change users)."""
+    if lay.scope is not Scope.SYSTEM:
+        return []
+    return sorted({rt.user for rt in config.runtimes.values() if rt.user})
+
+
+def render_sysusers(users: list[str]) -> str:
+    lines = ["# Rendered by b70ctl: the users b70 runtimes run as, in the render group."]
+    for user in users:
+        lines += [f'u {user} - "b70 appliance runtime" /var/lib/b70 -', f"m {user} render"]
+    return "\n".join(lines) + "\n"
 
 
 # --- writing -----------------------------------------------------------------------------------

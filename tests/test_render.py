@@ -138,3 +138,49 @@ def test_exec_quoting(arg: str, quoted: str) -> None:
 
 def test_render_exec_joins_words() -> None:
     assert render_exec(["/bin/x", "a b", "c"]) == '/bin/x "a b" c'
+
+
+def test_a_runtime_user_gets_the_render_group_and_cap_perfmon_and_no_more() -> None:
+    files = rendered_b70()
+    llama = files["b70-llamacpp.service"]
+    assert unit_lines(llama, "User") == ["b70"]
+    assert unit_lines(llama, "SupplementaryGroups") == ["render"]
+    assert unit_lines(llama, "AmbientCapabilities") == ["CAP_PERFMON"]
+    assert unit_lines(llama, "CapabilityBoundingSet") == ["CAP_PERFMON"]
+    assert "User=" not in files["b70-vllm.service"]  # the docker client stays as it is
+    assert files["b70-sysusers.conf"].splitlines()[1:] == [
+        'u b70 - "b70 appliance runtime" /var/lib/b70 -',
+        "m b70 render",
+    ]
+    # A user manager cannot change users: nothing of it is rendered there.
+    cfg = config.load(B70.relative_to(Path.cwd()))
+    user_files = render_all(cfg, layout(Scope.USER))
+    assert "b70-sysusers.conf" not in user_files
+    assert "User=" not in user_files["b70-llamacpp.service"]
+
+
+def exposure(root: Path, unit: str) -> float:
+    out = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", f"--root={root}", "--no-pager", unit],
+        capture_output=True,
+        text=True,
+    )
+    line = next(x for x in out.stdout.splitlines() if "Overall exposure level" in x)
+    return float(line.split(":")[1].split()[0])
+
+
+def test_the_run_as_unit_is_less_exposed(tmp_path: Path) -> None:
+    files = rendered_b70()
+    as_root = files["b70-llamacpp.service"]
+    for key in (
+        "User",
+        "Group",
+        "SupplementaryGroups",
+        "AmbientCapabilities",
+        "CapabilityBoundingSet",
+        "NoNewPrivileges",
+    ):
+        as_root = "\n".join(x for x in as_root.splitlines() if not x.startswith(key + "="))
+    files["b70-llamacpp-as-root.service"] = as_root + "\n"
+    root = verify_root(tmp_path, files)
+    assert exposure(root, "b70-llamacpp.service") < exposure(root, "b70-llamacpp-as-root.service")
