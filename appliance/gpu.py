@@ -401,5 +401,20 @@ def snapshot(root: Path = Path("/")) -> Snapshot:
                     mem.total_bytes = sum(r.total_bytes for r in vram)
                     used = [r.used_bytes for r in vram]
                     mem.used_bytes = None if None in used else sum(u or 0 for u in used)
+        if mem.total_bytes is None and root == Path("/"):
+            _from_sysman(mem)
         out.append(mem)
     return Snapshot(out, scan.unreadable_pids, [d for d in all_devices if not d.is_intel])
+
+
+def _from_sysman(mem: DeviceMemory) -> None:
+    """Level Zero Sysman, when the xe query gave nothing (it is optional: see sysman.py)."""
+    from appliance.sysman import read_sysman
+
+    result = read_sysman()
+    found = result.memory.get(mem.device.pci_slot)
+    if found is None:
+        if result.unavailable and mem.error:
+            mem.error += f"; Level Zero: {result.unavailable}"
+        return
+    mem.source, mem.total_bytes, mem.used_bytes = "sysman", found.total_bytes, found.used_bytes

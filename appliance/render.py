@@ -171,7 +171,7 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
             exec_stop_post=runtimes.exec_stop_post(config, runtime),
             timeout_stop_s=runtime.stop_timeout_s + 15,
             start_limit_interval_s=interval,
-        run_as=runtime.user if lay.scope is Scope.SYSTEM else None,
+            run_as=runtime.user if lay.scope is Scope.SYSTEM else None,
             wanted_by=lay.wanted_by,
         )
     )

@@ -419,3 +419,14 @@ def test_wait_free_times_out_naming_the_holder(tree: Path) -> None:
         "held by pid 5151 (python3 train.py --epochs 3) in session-3.scope: 20.0 GiB"
     ) in out.stderr
     assert "hint: `b70ctl gpu` shows who holds it" in out.stderr
+
+
+def test_level_zero_sysman_is_optional_and_says_why_it_is_absent() -> None:
+    from appliance.sysman import read_sysman
+
+    result = read_sysman()
+    # This machine has no Intel GPU: whether pyzes, the loader or a driver is missing, the
+    # reader answers with a reason, never with made-up memory or an exception.
+    assert result.memory == {}
+    assert result.unavailable
+    assert any(w in result.unavailable for w in ("pyzes", "Level Zero"))
