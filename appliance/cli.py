@@ -254,6 +254,103 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
         ) from None
 
 
+@cli.command()
+@click.argument("config_json", type=click.Path(path_type=Path, dir_okay=False))
+@click.option(
+    "--dtype",
+    default="bf16",
+    show_default=True,
+    help="Weights dtype (and of what is not quantized).",
+)
+@click.option(
+    "--quantization",
+    "quant",
+    default="none",
+    show_default=True,
+    help="none, fp8, gptq-int4, gptq-int8, q8_0, q4_k_m.",
+)
+@click.option(
+    "--kv-dtype", default="bf16", show_default=True, help="KV cache dtype (fp8, fp16, bf16, fp32)."
+)
+@click.option(
+    "--state-dtype", default="fp32", show_default=True, help="GDN state dtype (fp32, fp16)."
+)
+@click.option("--card", type=click.Choice(["b70"]), default="b70", show_default=True)
+@click.option("--card-gib", type=float, help="Card memory, instead of the card's.")
+@click.option(
+    "--bandwidth-gbs", type=float, help="Memory bandwidth in GB/s, instead of the card's."
+)
+@click.option(
+    "--utilization", type=float, default=0.9, show_default=True, help="GPU memory utilization."
+)
+@click.option(
+    "--tokens", type=int, default=4096, show_default=True, help="Tokens of context per request."
+)
+@click.option("--cpu-offload-gib", type=float, default=0.0, show_default=True)
+@click.option(
+    "--reserve-gib",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Memory kept for activations and workspace.",
+)
+@click.option(
+    "--batch",
+    "batches",
+    type=int,
+    multiple=True,
+    help="Batch sizes for the decode step (default 1 and 64).",
+)
+@with_json
+def plan(ctx: Context, config_json: Path, **options: Any) -> None:
+    """Memory and decode speed of a model on a card, from its Hugging Face config.json.
+
+    GDN state per request, KV cache per token, weights, requests that fit at a memory
+    utilization, and the memory-bound decode step at the card's bandwidth.
+
+    \b
+    Example:
+      b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --state-dtype fp16 \\
+        --utilization 0.82 --tokens 1024 --cpu-offload-gib 4
+    """
+    import json as json_mod
+
+    from appliance import capacity
+
+    try:
+        cfg = json_mod.loads(config_json.read_text())
+    except (OSError, ValueError) as e:
+        raise ApplianceError(
+            f"{config_json}: not a readable JSON file: {e}", code="plan_input_invalid"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ApplianceError(f"{config_json}: not a JSON object", code="plan_input_invalid")
+    capacity.check_plan_inputs(options["utilization"], options["tokens"])
+    card_bytes, bandwidth = capacity.CARDS[options["card"]]
+    if options["card_gib"]:
+        card_bytes = int(options["card_gib"] * capacity.GIB)
+    if options["bandwidth_gbs"]:
+        bandwidth = options["bandwidth_gbs"] * 1e9
+    result = capacity.plan(
+        cfg,
+        dtype=options["dtype"],
+        quant=options["quant"],
+        kv_dtype=options["kv_dtype"],
+        state_dtype=options["state_dtype"],
+        card_bytes=card_bytes,
+        bandwidth=bandwidth,
+        utilization=options["utilization"],
+        tokens=options["tokens"],
+        cpu_offload_bytes=int(options["cpu_offload_gib"] * capacity.GIB),
+        reserve_bytes=int(options["reserve_gib"] * capacity.GIB),
+        batches=tuple(options["batches"]) or (1, 64),
+    )
+    if ctx.json:
+        output.emit_json(dataclasses.asdict(result))
+    else:
+        click.echo(output.render_plan(result))
+
+
 root_option = click.option(
     "--root",
     type=click.Path(path_type=Path),

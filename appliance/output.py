@@ -160,3 +160,24 @@ def render_gpu(snap: Any) -> str:
     if snap.unreadable_pids:
         lines.append(f"note: {snap.unreadable_pids} processes could not be read (other users)")
     return "\n".join(lines)
+
+
+def render_plan(p: Any) -> str:
+    mib = 1024**2
+    lines = [
+        f"parameters             {p.params / 1e9:.2f} B "
+        f"({p.active_params_per_token / 1e9:.2f} B active per token)",
+        f"weights                {size(p.weight_bytes)}",
+        f"GDN state per request  {p.gdn_state_bytes / mib:.1f} MiB "
+        f"(+ conv state {p.conv_state_bytes / mib:.2f} MiB)",
+        f"KV cache per token     {p.kv_bytes_per_token / 1024:.1f} KiB",
+        f"memory per request     {p.request_bytes / mib:.1f} MiB",
+        f"cache budget           {size(p.budget_bytes)}",
+        f"requests that fit      {p.requests_fit}",
+    ]
+    for step in p.steps:
+        lines.append(
+            f"decode step, batch {int(step['batch']):<4} {step['step_ms']:.2f} ms "
+            f"({step['tokens_per_s']:.0f} tok/s, memory-bound)"
+        )
+    return "\n".join(lines)
