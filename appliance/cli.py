@@ -5,9 +5,12 @@ One click group, one short function per command, one error handler (`main`).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -190,8 +193,9 @@ def uninstall(ctx: Context, purge: bool) -> None:
 @cli.command()
 @click.argument("name")
 @click.option("--restart", is_flag=True, help="Restart NAME even if it is already serving.")
+@click.option("--gate", is_flag=True, help="Run the validity gates before the switch counts.")
 @with_json
-def switch(ctx: Context, name: str, restart: bool) -> None:
+def switch(ctx: Context, name: str, restart: bool, gate: bool) -> None:
     """Make runtime NAME the one serving, or roll back to the previous one and fail.
 
     \b
@@ -201,7 +205,7 @@ def switch(ctx: Context, name: str, restart: bool) -> None:
     from appliance import ops
 
     progress = output.progress if sys.stderr.isatty() or not ctx.json else ops.no_progress
-    result = ops.switch(ctx.config(), ctx.scope, name, restart, progress)
+    result = ops.switch(ctx.config(), ctx.scope, name, restart, progress, gate)
     data = dataclasses.asdict(result)
     data.pop("journal")
     if ctx.json:
@@ -349,6 +353,175 @@ def plan(ctx: Context, config_json: Path, **options: Any) -> None:
         output.emit_json(dataclasses.asdict(result))
     else:
         click.echo(output.render_plan(result))
+
+
+@cli.command("gate")
+@click.option("--record", is_flag=True, help="Record the canaries' answers anew for this runtime.")
+@click.option("--json-requests", "k", type=int, default=4, show_default=True)
+@with_json
+def gate_cmd(ctx: Context, record: bool, k: int) -> None:
+    """Validity gates for the serving runtime: JSON mode and greedy canaries.
+
+    JSON mode sends K requests with a JSON schema (response_format); every reply must parse and
+    match it. Canaries are fixed prompts whose greedy answers are recorded per runtime the
+    first time and must come back the same. Exits 1 naming what failed.
+
+    \b
+    Example:
+      b70ctl gate && b70ctl switch vllm --gate
+    """
+    from appliance import ops, systemd
+    from appliance.gate import run_gate
+    from appliance.render import layout
+
+    config = ctx.config()
+    lay = layout(ctx.scope)
+    with systemd.connect(ctx.scope) as sd:
+        serving = [
+            n
+            for n, rt in sorted(config.runtimes.items())
+            if sd.state(rt.unit).active_state == "active"
+        ]
+    if not serving:
+        raise ApplianceError(
+            "no runtime is serving", hint="`b70ctl switch NAME` first", code="not_serving"
+        )
+    from appliance import runtimes
+
+    result = run_gate(
+        runtimes.proxy_url(config),
+        ops.read_key(lay),
+        config.proxy.model,
+        serving[0],
+        lay.state_dir,
+        k,
+        record,
+    )
+    doc = {"runtime": result.runtime, "ok": result.ok, "checks": [vars(c) for c in result.checks]}
+    if not ctx.json:
+        for c in result.checks:
+            click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+    if not result.ok:
+        raise ApplianceError(
+            f"{result.runtime} failed the validity gates: {result.failures()}",
+            code="gate_failed",
+            details=doc,
+        )
+    if ctx.json:
+        output.emit_json(doc)
+
+
+@cli.command()
+@click.option("--url", help="Where to send requests (default: the proxy).")
+@click.option("--model", help="Model name (default: the proxy's public name).")
+@click.option("--api-key", envvar="B70_API_KEY", help="API key (default: the proxy's master key).")
+@click.option(
+    "--runtime-url",
+    help="The runtime itself, for its tokenizer and metrics (default: the backend).",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["vllm", "llamacpp"]),
+    help="The runtime's engine (default: the active one).",
+)
+@click.option("--requests", "n_requests", type=int, default=128, show_default=True)
+@click.option(
+    "--concurrency", type=int, default=64, show_default=True, help="Requests in flight at most."
+)
+@click.option("--input-tokens", type=int, default=512, show_default=True)
+@click.option("--output-tokens", type=int, default=512, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    help="The JSON result file (default: bench-TIME.json).",
+)
+@with_json
+def bench(ctx: Context, **o: Any) -> None:
+    """Measure the serving runtime like the B70 recipes: concurrency proven by its own metrics.
+
+    Random-token prompts, fixed-length answers with ignore_eos, greedy, streaming. Reports TTFT,
+    TPOT and ITL (median, p99), tokens/s, and how many requests ran at once; the generation
+    figure (concurrency / median TPOT) only if that many really did.
+
+    \b
+    Example:
+      b70ctl bench --requests 128 --concurrency 64 --out b70-vllm.json
+    """
+    from appliance import bench as bench_mod
+
+    w, runtime_url, metrics_url, runtime = _bench_target(ctx, o)
+    if w.requests < 1 or not 1 <= w.concurrency <= w.requests:
+        raise ApplianceError(
+            "--concurrency must be between 1 and --requests", code="bench_input_invalid"
+        )
+    output.progress("preparing", f"{w.requests} random-token prompts of {w.input_tokens} tokens")
+    prompts = bench_mod.make_prompts(runtime_url, runtime["engine"], w.model, w)
+    bar = output.ProgressBar() if sys.stderr.isatty() else None
+    results, samples, wall = asyncio.run(
+        bench_mod.run(w, prompts, metrics_url, bar.update if bar else None)
+    )
+    if bar:
+        bar.close()
+    doc = bench_mod.result_document(w, results, samples, wall, runtime)
+    out = o["out"] or Path(time.strftime("bench-%Y%m%d-%H%M%S.json"))
+    from appliance.render import write_atomic
+
+    write_atomic(out, json.dumps(doc, indent=2) + "\n")
+    if ctx.json:
+        output.emit_json({"result_file": str(out), **doc["summary"]})
+    else:
+        click.echo(output.render_bench(doc["summary"], w.concurrency))
+        click.echo(f"result file: {out}")
+
+
+def _bench_target(ctx: Context, o: dict[str, Any]) -> tuple[Any, str, str, dict[str, Any]]:
+    from appliance import bench as bench_mod
+    from appliance import runtimes
+
+    runtime: dict[str, Any] = {
+        "name": None,
+        "engine": o["engine"],
+        "unit": None,
+        "invocation_id": None,
+    }
+    config = None
+    if not (o["url"] and o["model"] and o["runtime_url"] and o["engine"]):
+        config = ctx.config()
+    url = o["url"] or runtimes.proxy_url(config)  # type: ignore[arg-type]
+    runtime_url = o["runtime_url"] or runtimes.backend_url(config)  # type: ignore[arg-type]
+    key = o["api_key"]
+    if config is not None:
+        from appliance import ops, systemd
+        from appliance.render import layout
+
+        key = key or ops.read_key(layout(ctx.scope))
+        with systemd.connect(ctx.scope) as sd:
+            for name, rt in sorted(config.runtimes.items()):
+                state = sd.state(rt.unit)
+                if state.active_state == "active":
+                    runtime = {
+                        "name": name,
+                        "engine": rt.engine.value,
+                        "unit": rt.unit,
+                        "invocation_id": state.invocation_id,
+                    }
+        if runtime["name"] is None:
+            raise ApplianceError(
+                "no runtime is serving", hint="`b70ctl switch NAME` first", code="not_serving"
+            )
+        runtime["engine"] = o["engine"] or runtime["engine"]
+    w = bench_mod.Workload(
+        url=url,
+        model=o["model"] or (config.proxy.model if config else ""),
+        api_key=key or "none",
+        requests=o["n_requests"],
+        concurrency=o["concurrency"],
+        input_tokens=o["input_tokens"],
+        output_tokens=o["output_tokens"],
+        seed=o["seed"],
+    )
+    return w, runtime_url, runtime_url + "/metrics", runtime
 
 
 root_option = click.option(

@@ -489,6 +489,7 @@ def switch(
     target_name: str,
     restart: bool = False,
     progress: Progress = no_progress,
+    gate: bool = False,
 ) -> SwitchResult:
     lay = layout(scope)
     target = config.runtime(target_name)
@@ -514,6 +515,11 @@ def switch(
             wait_stopped(sd, target.unit, target.stop_timeout_s * 2 + 30)
         try:
             timings, answer = start_runtime(config, lay, sd, target, progress)
+            if gate:
+                t_gate = time.monotonic()
+                progress("gating", "JSON mode and canaries")
+                run_gate(config, lay, target_name)
+                timings["gated"] = time.monotonic() - t_gate
         except ApplianceError as failure:
             result = _roll_back(config, lay, sd, target, previous, failure, progress)
             result.phases = phases
@@ -534,6 +540,28 @@ def switch(
         )
         state.record_switch(lay.state_dir, result.record())
         return result
+
+
+def run_gate(config: Config, lay: Layout, runtime: str, record: bool = False) -> Any:
+    """The validity gates through the proxy; raises ApplianceError naming what failed."""
+    from appliance.gate import run_gate as gate_checks
+
+    result = gate_checks(
+        runtimes.proxy_url(config),
+        read_key(lay),
+        config.proxy.model,
+        runtime,
+        lay.state_dir,
+        record=record,
+    )
+    if not result.ok:
+        raise ApplianceError(
+            f"{runtime} failed the validity gates: {result.failures()}",
+            hint="`b70ctl gate --json` shows every check; `--record` records canaries anew",
+            code="gate_failed",
+            details={"checks": [vars(c) for c in result.checks]},
+        )
+    return result
 
 
 def _roll_back(

@@ -181,3 +181,47 @@ def render_plan(p: Any) -> str:
             f"({step['tokens_per_s']:.0f} tok/s, memory-bound)"
         )
     return "\n".join(lines)
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (only on a terminal)."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def update(self, done: int, total: int, tokens: int) -> None:
+        width = 30
+        filled = width * done // total
+        rate = tokens / max(time.monotonic() - self.start, 1e-9)
+        bar = "#" * filled + "." * (width - filled)
+        print(
+            f"\r[{bar}] {done}/{total} requests, {rate:.0f} tok/s",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        print(file=sys.stderr)
+
+
+def render_bench(s: dict[str, Any], concurrency: int) -> str:
+    def pair(key: str) -> str:
+        return f"median {s[key]['median']} ms, p99 {s[key]['p99']} ms"
+
+    run = s["running_at_once"]
+    lines = [
+        f"requests         {s['succeeded']}/{s['requests']} succeeded in {s['wall_s']} s",
+        f"TTFT             {pair('ttft_ms')}",
+        f"TPOT             {pair('tpot_ms')}",
+        f"ITL              {pair('itl_ms')}",
+        f"output tokens/s  {s['output_tokens_per_s']}  (total {s['total_tokens_per_s']})",
+        f"running at once  max {run['max']}, median {run['median']} ({run['samples']} samples)",
+    ]
+    if s["valid"]:
+        lines.append(
+            f"generation       {s['generation_tokens_per_s']} tok/s ({concurrency} / median TPOT)"
+        )
+    else:
+        lines.append("generation       INVALID: " + "; ".join(s["invalid_because"]))
+    return "\n".join(lines)

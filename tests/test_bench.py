@@ -1,0 +1,181 @@
+"""`b70ctl bench` and `b70ctl gate`: pure parts on data, the rest on the real appliance."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from appliance import bench, gate
+from tests.conftest import Appliance
+
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2"} 7.0
+vllm:num_requests_waiting{engine="0",model_name="smollm2"} 3.0
+"""
+LLAMA_METRICS = """# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+llamacpp:requests_deferred 5
+"""
+
+
+def test_running_requests_from_each_engines_metrics() -> None:
+    assert bench.parse_running(VLLM_METRICS) == 7
+    assert bench.parse_running(LLAMA_METRICS) == 2
+    assert bench.parse_running("# nothing here\nother_metric 4\n") is None
+
+
+def test_percentiles() -> None:
+    assert bench.percentile([1, 2, 3, 4], 0.5) == 2.5
+    assert bench.percentile([5], 0.99) == 5
+    assert bench.percentile([], 0.5) is None
+
+
+def result(tokens: int = 16, ok: bool = True) -> bench.RequestResult:
+    return bench.RequestResult(
+        ok=ok,
+        ttft_s=0.1,
+        latency_s=0.1 + 0.02 * (tokens - 1),
+        output_tokens=tokens,
+        prompt_tokens=32,
+        itls_s=[0.02] * (tokens - 1),
+    )
+
+
+def test_the_generation_figure_needs_the_concurrency_proven() -> None:
+    w = bench.Workload(url="u", model="m", api_key="k", requests=4, concurrency=4, output_tokens=16)
+    proven = bench.summarize(w, [result() for _ in range(4)], [(0.1, 4), (0.3, 4)], 1.0)
+    assert proven["valid"] and proven["generation_tokens_per_s"] == pytest.approx(4 / 0.02)
+    assert proven["tpot_ms"]["median"] == pytest.approx(20.0)
+    short = bench.summarize(w, [result() for _ in range(4)], [(0.1, 2), (0.3, 3)], 1.0)
+    assert not short["valid"] and short["generation_tokens_per_s"] is None
+    assert short["invalid_because"] == [
+        "only 3 of 4 requests ran at once (the runtime's own metrics)"
+    ]
+    unsampled = bench.summarize(w, [result() for _ in range(4)], [], 1.0)
+    assert unsampled["invalid_because"] == [
+        "the runtime's metrics could not be sampled, so concurrency is not proven"
+    ]
+    eos = bench.summarize(w, [result(10), *[result() for _ in range(3)]], [(0.1, 4)], 1.0)
+    assert eos["invalid_because"] == [
+        "1 answers were shorter than 16 tokens (ignore_eos not honoured?)"
+    ]
+
+
+def test_schema_errors() -> None:
+    good = {"city": "Oslo", "country": "Norway", "population": 700000, "is_capital": True}
+    assert gate.schema_errors(good, gate.CITY_SCHEMA) == []
+    bad = {"city": "Oslo", "population": "many", "is_capital": 1, "extra": 0}
+    assert gate.schema_errors(bad, gate.CITY_SCHEMA) == [
+        "$.country is missing",
+        "$.extra is not allowed",
+        "$.population is str, not integer",
+        "$.is_capital is int, not boolean",
+    ]
+    assert gate.schema_errors([], gate.CITY_SCHEMA) == ["$ is list, not object"]
+
+
+# --- on the real appliance (llama-server with 2 slots, vLLM, the proxy) ------------------------
+
+
+def test_bench_through_the_proxy_writes_a_valid_result(
+    appliance: Appliance, tmp_path: Path
+) -> None:
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    out_file = tmp_path / "bench.json"
+    out = appliance.b70ctl(
+        "bench",
+        "--requests",
+        "6",
+        "--concurrency",
+        "2",
+        "--input-tokens",
+        "48",
+        "--output-tokens",
+        "24",
+        "--out",
+        str(out_file),
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)["result"]
+    assert summary["valid"], summary["invalid_because"]
+    assert summary["running_at_once"]["max"] == 2
+    assert summary["generation_tokens_per_s"] > 0
+    doc = json.loads(out_file.read_text())
+    assert "api_key" not in doc["workload"] and doc["workload"]["concurrency"] == 2
+    invocation = appliance.manager.systemctl(
+        "show", "-p", "InvocationID", "--value", "b70-llamacpp.service"
+    ).strip()
+    assert doc["runtime"] == {
+        "name": "llamacpp",
+        "engine": "llamacpp",
+        "unit": "b70-llamacpp.service",
+        "invocation_id": invocation,
+    }
+    assert [r["output_tokens"] for r in doc["requests"]] == [24] * 6
+    assert [r["prompt_tokens"] for r in doc["requests"]] == [48] * 6
+    assert doc["samples"] and all(s["running"] <= 2 for s in doc["samples"])
+
+
+def test_bench_refuses_the_figure_when_concurrency_was_not_reached(
+    appliance: Appliance, tmp_path: Path
+) -> None:
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    out = appliance.b70ctl(
+        "bench",
+        "--requests",
+        "8",
+        "--concurrency",
+        "4",
+        "--input-tokens",
+        "16",
+        "--output-tokens",
+        "16",
+        "--out",
+        str(tmp_path / "b.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert (
+        "generation       INVALID: only 2 of 4 requests ran at once (the runtime's own metrics)"
+        in out.stdout
+    )
+
+
+def test_gate_records_then_checks_canaries(appliance: Appliance) -> None:
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    first = appliance.b70ctl("gate", "--record")
+    assert first.returncode == 0, first.stderr
+    assert "ok   json-mode: 4 of 4 replies matched the schema" in first.stdout
+    assert "ok   canaries: recorded 3 greedy answers for llamacpp" in first.stdout
+    again = appliance.b70ctl("gate")
+    assert again.returncode == 0 and "ok   canaries: 3 of 3 answers as recorded" in again.stdout
+    canaries = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "canaries.json"
+    known = json.loads(canaries.read_text())
+    known["llamacpp"][gate.CANARIES[0]] = "Lyon."
+    canaries.write_text(json.dumps(known))
+    tampered = appliance.b70ctl("gate")
+    assert tampered.returncode == 1
+    assert "FAIL canaries: 1 of 3 answers changed" in tampered.stdout
+    assert "recorded 'Lyon.'" in tampered.stdout
+    assert "error: llamacpp failed the validity gates: canaries:" in tampered.stderr
+    assert appliance.b70ctl("gate", "--record").returncode == 0
+
+
+def test_switch_with_gate_rolls_back_when_a_gate_fails(appliance: Appliance) -> None:
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    canaries = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "canaries.json"
+    known = json.loads(canaries.read_text()) if canaries.exists() else {}
+    known["vllm"] = {p: "an answer vLLM will not give" for p in gate.CANARIES}
+    canaries.write_text(json.dumps(known))
+    out = appliance.b70ctl("switch", "vllm", "--gate")
+    assert out.returncode == 1
+    assert (
+        "switch to vllm failed: vllm failed the validity gates: canaries: 3 of 3 answers changed"
+        in out.stderr
+    )
+    assert "rolled back: llamacpp is serving again" in out.stderr
+    assert appliance.json("status")["result"]["active_runtime"] == "llamacpp"
