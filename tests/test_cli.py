@@ -13,7 +13,18 @@ COMMANDS = sorted(name for name, cmd in cli.commands.items() if not cmd.hidden)
 
 
 def test_the_public_commands() -> None:
-    assert COMMANDS == ["bench", "gate", "gpu", "install", "logs", "plan", "render", "status", "switch", "uninstall"]
+    assert COMMANDS == [
+        "bench",
+        "gate",
+        "gpu",
+        "install",
+        "logs",
+        "plan",
+        "render",
+        "status",
+        "switch",
+        "uninstall",
+    ]
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -73,3 +73,21 @@ def test_render_diff_and_a_second_install(fresh: Appliance) -> None:
     restarted = fresh.json("switch", "llamacpp", "--restart")["result"]
     assert restarted["ok"] and restarted["previous"] == "llamacpp"
     assert fresh.b70ctl("render", "--diff").stdout == ""
+
+
+def test_two_managers_on_one_machine_do_not_touch_each_other(
+    appliance: Appliance, fresh: Appliance
+) -> None:
+    """Each private manager has a cgroup of its own: stopping a unit in one kills nothing in the other."""
+    appliance.b70ctl("switch", "llamacpp", check=True)
+
+    def main_pid() -> str:
+        return appliance.manager.systemctl(
+            "show", "-p", "MainPID", "--value", "b70-llamacpp.service"
+        ).strip()
+
+    before = main_pid()
+    fresh.b70ctl("install", check=True)
+    fresh.b70ctl("uninstall", check=True)
+    assert main_pid() == before != "0"
+    assert appliance.ask().strip()
