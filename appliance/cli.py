@@ -233,6 +233,25 @@ def status(ctx: Context) -> None:
 
 
 @cli.command()
+@click.option("--once", is_flag=True, help="Take one sample, act on it, and exit.")
+@click.pass_obj
+def monitor(ctx: Context, once: bool) -> None:
+    """Watch the serving runtime: restart it when it hangs, fail over when it does not come back.
+
+    Runs as b70-monitor.service. Samples backend and proxy health, a probe completion, GPU
+    memory and the runtime's metrics every [monitor] interval_s, and serves Prometheus metrics
+    on [monitor] host:port.
+
+    \b
+    Example:
+      b70ctl monitor --once && curl -s http://127.0.0.1:9101/metrics | grep ^b70_
+    """
+    from appliance import monitor as monitor_mod
+
+    monitor_mod.run(ctx.config(), ctx.scope, unitgate_log, once=once)
+
+
+@cli.command()
 @click.argument("name")
 @click.option("-n", "--lines", default=100, show_default=True, help="How many lines.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")

@@ -77,6 +77,19 @@ class GpuConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    host: str = "127.0.0.1"
+    port: int = 9101
+    interval_s: float = 5.0
+    health_timeout_s: float = 5.0
+    probe_completion: bool = True
+    probe_timeout_s: float = 30.0
+    hang_after: int = 3
+    restart_tries: int = 2
+    fallback: str | None = None
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     name: str
     engine: Engine
@@ -110,6 +123,7 @@ class Config:
     gpu: GpuConfig
     runtimes: Mapping[str, RuntimeConfig]
     b70ctl: str
+    monitor: MonitorConfig = MonitorConfig()
     docker: str = "/usr/bin/docker"
     podman: str = "/usr/bin/podman"
 
@@ -232,6 +246,7 @@ class _Reader:
             "backend",
             "gpu",
             "runtimes",
+            "monitor",
         }
         self.known(data, "", top)
         proxy = self.proxy(self.table(data, "proxy"))
@@ -253,7 +268,11 @@ class _Reader:
                 f"{default!r} is not a configured runtime",
                 "one of: " + ", ".join(sorted(runtimes)),
             )
+        monitor = self.monitor(self.table(data, "monitor"), set(runtimes))
+        if monitor.port in {proxy.port, backend.port}:
+            raise self.fail("monitor.port", f"{monitor.port} is also the proxy or backend port")
         return Config(
+            monitor=monitor,
             path=self.path,
             default_runtime=default,
             proxy=proxy,
@@ -288,6 +307,38 @@ class _Reader:
             hold_s=self.get(t, "hold_s", p, float, 300.0, _positive),
             workers=self.get(t, "workers", p, int, 1, lambda v: None if 1 <= v <= 64 else "1-64"),
             litellm=litellm,
+        )
+
+    def monitor(self, t: Mapping[str, Any], names: set[str]) -> MonitorConfig:
+        p = "monitor."
+        allowed = {
+            "host",
+            "port",
+            "interval_s",
+            "health_timeout_s",
+            "probe_completion",
+            "probe_timeout_s",
+            "hang_after",
+            "restart_tries",
+            "fallback",
+        }
+        self.known(t, p, allowed)
+        fallback = self.get(t, "fallback", p, str, "") or None
+        if fallback is not None and fallback not in names:
+            raise self.fail(p + "fallback", f"{fallback!r} is not a configured runtime")
+        at_least_one = lambda v: None if v >= 1 else "must be at least 1"  # noqa: E731
+        return MonitorConfig(
+            host=self.get(t, "host", p, str, "127.0.0.1", _host),
+            port=self.get(t, "port", p, int, 9101, _port),
+            interval_s=self.get(t, "interval_s", p, float, 5.0, _positive),
+            health_timeout_s=self.get(t, "health_timeout_s", p, float, 5.0, _positive),
+            probe_completion=self.get(t, "probe_completion", p, bool, True),
+            probe_timeout_s=self.get(t, "probe_timeout_s", p, float, 30.0, _positive),
+            hang_after=self.get(t, "hang_after", p, int, 3, at_least_one),
+            restart_tries=self.get(
+                t, "restart_tries", p, int, 2, lambda v: None if v >= 0 else ">= 0"
+            ),
+            fallback=fallback,
         )
 
     def backend(self, t: Mapping[str, Any]) -> BackendConfig:
@@ -409,7 +460,8 @@ def _kind(value: object) -> str:
 
 
 def _article(kind: type) -> str:
-    return {int: "an integer", float: "a number", str: "a string"}.get(kind, kind.__name__)
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+    return names.get(kind, kind.__name__)
 
 
 def _port(value: int) -> str | None:

@@ -18,6 +18,7 @@ from appliance import gpu, health, memgate, runtimes, state, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig, Scope
 from appliance.errors import ApplianceError
 from appliance.render import (
+    MONITOR_UNIT,
     PROXY_CONFIG,
     PROXY_UNIT,
     SYSUSERS,
@@ -109,6 +110,18 @@ def read_key(lay: Layout) -> str:
     )
 
 
+def install_config(config: Config, lay: Layout) -> bool:
+    """Keep the config the units came from where they (and b70ctl without --config) find it."""
+    text = config.path.read_text()
+    try:
+        if lay.config.read_text() == text:
+            return False
+    except FileNotFoundError:
+        pass
+    write_atomic(lay.config, text)
+    return True
+
+
 def create_users(sysusers_file: Path) -> None:
     """systemd-sysusers creates the runtimes' users and adds them to the render group."""
     out = subprocess.run(["systemd-sysusers", str(sysusers_file)], capture_output=True, text=True)
@@ -155,11 +168,12 @@ def install(
         lay.state_dir.mkdir(parents=True, exist_ok=True)
         for name, text in changed.items():
             write_atomic(lay.destination(name), text)
+        config_changed = install_config(config, lay)
         if SYSUSERS in changed:
             create_users(lay.destination(SYSUSERS))
         sd.reload()
         enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
-        to_enable = [PROXY_UNIT] + (
+        to_enable = [PROXY_UNIT, MONITOR_UNIT] + (
             [] if enabled_runtime else [config.runtime(config.default_runtime).unit]
         )
         sd.enable(to_enable)
@@ -186,6 +200,14 @@ def install(
             sd.start(PROXY_UNIT)
             wait_started(sd, PROXY_UNIT, 180, progress)
             result.started.append(PROXY_UNIT)
+        monitor_state = sd.state(MONITOR_UNIT)
+        if monitor_state.active_state == "active" and (MONITOR_UNIT in changed or config_changed):
+            sd.manager.RestartUnit(MONITOR_UNIT.encode(), b"replace")
+            result.started.append(MONITOR_UNIT)
+        elif monitor_state.active_state != "active":
+            sd.reset_failed(MONITOR_UNIT)
+            sd.start(MONITOR_UNIT)
+            result.started.append(MONITOR_UNIT)
         active = active_runtimes(config, sd)
         if not active:
             name = enabled_runtime[0][4:-8] if enabled_runtime else config.default_runtime
@@ -214,7 +236,7 @@ def install(
 
 def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
     lay = layout(scope)
-    units = [rt.unit for rt in config.runtimes.values()] + [PROXY_UNIT]
+    units = [rt.unit for rt in config.runtimes.values()] + [PROXY_UNIT, MONITOR_UNIT]
     removed = []
     with systemd.connect(scope) as sd:
         loaded = [u for u in units if sd.state(u).load_state != "not-found"]
@@ -599,7 +621,7 @@ def _roll_back(
 
 def status(config: Config, scope: Scope) -> dict[str, Any]:
     lay = layout(scope)
-    units = [rt.unit for _, rt in sorted(config.runtimes.items())] + [PROXY_UNIT]
+    units = [rt.unit for _, rt in sorted(config.runtimes.items())] + [PROXY_UNIT, MONITOR_UNIT]
     with systemd.connect(scope) as sd:
         states = {u: sd.state(u) for u in units}
     active = [
@@ -636,4 +658,20 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
             "detail": proxy.detail,
         },
         "last_switch": state.last_switch(lay.state_dir),
+        "monitor": monitor_view(lay.state_dir),
+    }
+
+
+def monitor_view(state_dir: Path) -> dict[str, Any] | None:
+    from appliance.monitor import read_state
+
+    data = read_state(state_dir)
+    if data is None:
+        return None
+    return {
+        "up_since": data.get("started_at"),
+        "last_failure": data.get("last_failure"),
+        "last_action": data.get("last_action"),
+        "restarts_by_monitor": data.get("restarts_by_monitor"),
+        "failovers": data.get("failovers"),
     }

@@ -77,6 +77,20 @@ def render_status(s: dict[str, Any]) -> str:
         )
     else:
         lines.append("last switch  none")
+    mon = s.get("monitor")
+    if mon:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mon["up_since"]))
+        lines.append(
+            f"monitor   up since {since}; {mon['restarts_by_monitor']} restarts, "
+            f"{mon['failovers']} failovers"
+        )
+        if mon.get("last_failure"):
+            f = mon["last_failure"]
+            lines.append(f"  last failure  {f['runtime']}: {f['reason']}")
+        if mon.get("last_action"):
+            a = mon["last_action"]
+            result = f" -> {a['result']}" if a.get("result") else ""
+            lines.append(f"  last action   {a['what']} {a['runtime']}: {a['reason']}{result}")
     return "\n".join(lines)
 
 

@@ -19,6 +19,8 @@ from appliance import runtimes
 from appliance.config import Config, Launcher, RuntimeConfig, Scope
 
 PROXY_UNIT = "b70-litellm.service"
+MONITOR_UNIT = "b70-monitor.service"
+INSTALLED_CONFIG = "appliance.toml"
 PROXY_CONFIG = "litellm.yaml"
 SYSUSERS = "b70-sysusers.conf"
 KEY_FILE = "proxy.env"
@@ -50,6 +52,11 @@ class Layout:
     @property
     def proxy_config(self) -> Path:
         return self.etc_dir / PROXY_CONFIG
+
+    @property
+    def config(self) -> Path:
+        """Where install keeps the config the units were rendered from."""
+        return self.etc_dir / INSTALLED_CONFIG
 
     @property
     def wanted_by(self) -> str:
@@ -158,7 +165,7 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
         _environment()
         .get_template("runtime.service.j2")
         .render(
-            config_path=config.path,
+            config_path=lay.config,
             rt=runtime,
             conflicts=[o.unit for o in others],
             after=after,
@@ -191,7 +198,7 @@ def render_proxy_unit(config: Config, lay: Layout) -> str:
         _environment()
         .get_template("litellm.service.j2")
         .render(
-            config_path=config.path,
+            config_path=lay.config,
             proxy=proxy,
             system_scope=lay.scope is Scope.SYSTEM,
             key_file=str(lay.key_file),
@@ -202,12 +209,28 @@ def render_proxy_unit(config: Config, lay: Layout) -> str:
     )
 
 
-def render_proxy_config(config: Config) -> str:
+def render_monitor_unit(config: Config, lay: Layout) -> str:
+    argv = [config.b70ctl] + (["--user"] if lay.scope is Scope.USER else [])
+    argv += ["--config", str(lay.config), "monitor"]
+    return (
+        _environment()
+        .get_template("monitor.service.j2")
+        .render(
+            config_path=lay.config,
+            monitor=config.monitor,
+            proxy_unit=PROXY_UNIT,
+            exec_start=argv,
+            wanted_by=lay.wanted_by,
+        )
+    )
+
+
+def render_proxy_config(config: Config, lay: Layout) -> str:
     return (
         _environment()
         .get_template("litellm.yaml.j2")
         .render(
-            config_path=config.path,
+            config_path=lay.config,
             proxy=config.proxy,
             backend_url=runtimes.backend_url(config),
         )
@@ -218,7 +241,8 @@ def render_all(config: Config, lay: Layout) -> dict[str, str]:
     """Every file an installation consists of (the secret key aside), by file name."""
     files = {rt.unit: render_runtime_unit(config, rt, lay) for rt in config.runtimes.values()}
     files[PROXY_UNIT] = render_proxy_unit(config, lay)
-    files[PROXY_CONFIG] = render_proxy_config(config)
+    files[MONITOR_UNIT] = render_monitor_unit(config, lay)
+    files[PROXY_CONFIG] = render_proxy_config(config, lay)
     users = run_as_users(config, lay)
     if users:
         files[SYSUSERS] = render_sysusers(users)

@@ -32,6 +32,7 @@ class UnitState:
     exec_main_status: int | None
     job_pending: bool
     unit_file_state: str | None
+    n_restarts: int | None = None
 
     @property
     def settled(self) -> bool:
@@ -113,6 +114,7 @@ class Systemd:
             exec_main_status=int(service.ExecMainStatus) if service is not None else None,
             job_pending=int(props.Job[0]) != 0,
             unit_file_state=file_state,
+            n_restarts=int(service.NRestarts) if service is not None else None,
         )
 
     def start(self, name: str, mode: str = "replace") -> None:

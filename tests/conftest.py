@@ -99,6 +99,8 @@ def demo_config_text(proxy_port: int, backend_port: int, extra: str = "") -> str
         "port = 8001", f"port = {backend_port}"
     )
     text = text.replace("~/.cache/b70", str(CACHE))
+    if "[monitor]" not in extra:  # every appliance under test has a monitor: give it its own port
+        extra += f"\n[monitor]\nport = {free_port()}\n"
     return text + extra
 
 

@@ -19,6 +19,7 @@ def test_the_public_commands() -> None:
         "gpu",
         "install",
         "logs",
+        "monitor",
         "plan",
         "render",
         "status",

@@ -64,6 +64,9 @@ model = "smollm2"
 [backend]
 port = {backend_port}
 
+[monitor]
+port = {free_port()}
+
 [runtimes.llamacpp]
 engine = "llamacpp"
 command = ["{LLAMA_SERVER}"]

@@ -1,0 +1,131 @@
+"""Prometheus metrics of the monitor, served on loopback by prometheus-client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from appliance import state
+from appliance.config import Config
+
+
+def switch_counts(state_dir: Path) -> tuple[int, int, float | None]:
+    """Switches, failed switches, and the last switch's duration, from the switch records."""
+    total = failed = 0
+    last = None
+    try:
+        lines = (state_dir / state.HISTORY).read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        total += 1
+        failed += not record.get("ok")
+        last = record.get("seconds")
+    return total, failed, last
+
+
+class Exporter(Collector):
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.snapshot: dict[str, Any] = {}
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def serve(self, host: str, port: int) -> None:
+        start_http_server(port, addr=host, registry=self.registry)
+
+    def update(
+        self, o: Any, m: Any, units: dict[str, Any], proxy_up: bool, snap: Any, state_dir: Path
+    ) -> None:
+        total, failed, last = switch_counts(state_dir)
+        self.snapshot = {
+            "o": o,
+            "m": m,
+            "units": units,
+            "proxy_up": proxy_up,
+            "gpu": snap,
+            "switches": total,
+            "switches_failed": failed,
+            "last_switch_s": last,
+        }
+
+    def collect(self) -> Iterator[Any]:
+        s = self.snapshot
+        if not s:
+            return
+        o, m = s["o"], s["m"]
+        active = GaugeMetricFamily(
+            "b70_active_runtime", "1 for the runtime that serves", labels=["runtime"]
+        )
+        for name in sorted(self.config.runtimes):
+            active.add_metric(
+                [name], 1.0 if o.runtime == name and o.unit_state == "active" else 0.0
+            )
+        yield active
+        yield GaugeMetricFamily(
+            "b70_runtime_up", "The serving runtime answers health and probe", value=float(o.healthy)
+        )
+        yield GaugeMetricFamily(
+            "b70_proxy_up", "The proxy answers /health/liveliness", value=float(s["proxy_up"])
+        )
+        unit_active = GaugeMetricFamily(
+            "b70_unit_active", "1 when the unit is active", labels=["unit"]
+        )
+        restarts = CounterMetricFamily(
+            "b70_runtime_restarts", "Runtime restarts", labels=["runtime", "by"]
+        )
+        for unit, st in sorted(s["units"].items()):
+            unit_active.add_metric([unit], float(st.active_state == "active"))
+        for name, rt in sorted(self.config.runtimes.items()):
+            restarts.add_metric([name, "systemd"], float(s["units"][rt.unit].n_restarts or 0))
+        restarts.add_metric([o.runtime or "", "monitor"], float(m.restarts_by_monitor))
+        yield unit_active
+        yield restarts
+        yield CounterMetricFamily(
+            "b70_failovers", "Failovers to the fallback runtime", value=float(m.failovers)
+        )
+        yield CounterMetricFamily("b70_switches", "Switches recorded", value=float(s["switches"]))
+        yield CounterMetricFamily(
+            "b70_switches_failed", "Switches that failed", value=float(s["switches_failed"])
+        )
+        if s["last_switch_s"] is not None:
+            yield GaugeMetricFamily(
+                "b70_last_switch_duration_seconds",
+                "How long the last switch took",
+                value=float(s["last_switch_s"]),
+            )
+        if o.in_flight is not None:
+            yield GaugeMetricFamily(
+                "b70_requests_in_flight",
+                "Running plus waiting requests in the runtime",
+                value=float(o.in_flight),
+            )
+        total = GaugeMetricFamily("b70_vram_total_bytes", "GPU memory", labels=["device"])
+        used = GaugeMetricFamily("b70_vram_used_bytes", "GPU memory in use", labels=["device"])
+        per_unit = GaugeMetricFamily(
+            "b70_vram_unit_bytes", "GPU memory held per unit", labels=["device", "unit"]
+        )
+        for mem in s["gpu"].devices:
+            slot = mem.device.pci_slot
+            if mem.total_bytes is not None:
+                total.add_metric([slot], float(mem.total_bytes))
+            if mem.used_bytes is not None:
+                used.add_metric([slot], float(mem.used_bytes))
+            by_unit: dict[str, int] = {}
+            for holder, held in mem.holders:
+                by_unit[holder.unit or ""] = by_unit.get(holder.unit or "", 0) + held
+            for unit, held in sorted(by_unit.items()):
+                per_unit.add_metric([slot, unit], float(held))
+        yield total
+        yield used
+        yield per_unit

@@ -1,0 +1,259 @@
+"""`b70ctl monitor` (b70-monitor.service): watch the serving runtime, heal it, export metrics.
+
+Every interval it samples backend and proxy health, a tiny completion on the runtime, GPU
+memory and the runtime's own metrics, and exports them to Prometheus on loopback. systemd
+restarts a runtime that crashes (Restart=on-failure); the monitor handles what systemd cannot
+see:
+
+1. A hung runtime (alive, but /health or the probe completion times out) `hang_after` samples in
+   a row is restarted through systemd.
+2. A runtime that does not come back (its unit failed, or still unhealthy after
+   `restart_tries` restarts) is replaced by the fallback runtime through the same path as
+   `b70ctl switch`.
+3. While a switch holds the lock the monitor only observes.
+
+Every decision is written to the monitor state file with its reason; `b70ctl status` shows it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from appliance import bench, gpu, health, runtimes, state, systemd
+from appliance.config import Config, Scope
+from appliance.render import PROXY_UNIT, layout, write_atomic
+
+STATE_FILE = "monitor.json"
+FAILOVER_BACKOFF_S = 60
+
+
+@dataclass
+class Observation:
+    at: float
+    runtime: str | None  # the runtime whose unit is active or activating
+    unit_state: str | None  # its ActiveState
+    sub_state: str | None
+    main_pid: int | None
+    healthy: bool
+    detail: str
+    switching: bool
+    in_flight: int | None = None
+
+
+@dataclass
+class Memory:
+    """What the policy remembers between samples."""
+
+    failures: int = 0
+    restarts: int = 0
+    runtime: str | None = None
+    last_failure: dict[str, Any] | None = None
+    last_action: dict[str, Any] | None = None
+    restarts_by_monitor: int = 0
+    failovers: int = 0
+    started_at: float = field(default_factory=time.time)
+    hold_until: float = 0.0  # after a failed failover: observe only, until then
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "restart" or "failover"
+    runtime: str
+    reason: str
+
+
+def judge(
+    m: Memory, o: Observation, hang_after: int, restart_tries: int, fallback: str | None
+) -> Action | None:
+    """The policy, as numbered in the module docstring. Mutates `m`; returns what to do."""
+    if o.switching or o.at < m.hold_until:  # 3.
+        m.failures = 0
+        return None
+    if o.runtime != m.runtime:
+        m.runtime, m.failures, m.restarts = o.runtime, 0, 0
+    if o.runtime is None:
+        return None
+    if o.unit_state == "failed":  # 2. systemd gave up on it
+        m.last_failure = {
+            "at": o.at,
+            "runtime": o.runtime,
+            "reason": f"unit failed ({o.sub_state})",
+        }
+        return _failover(m, o, fallback, "its unit failed and systemd gave up restarting it")
+    if o.unit_state != "active":  # starting, or systemd is restarting it: wait, and count anew
+        m.failures = 0
+        return None
+    if o.healthy:
+        m.failures = 0
+        m.restarts = 0
+        return None
+    m.failures += 1
+    m.last_failure = {"at": o.at, "runtime": o.runtime, "reason": o.detail}
+    if m.failures < hang_after:
+        return None
+    m.failures = 0
+    if m.restarts >= restart_tries:  # 2. restarts did not help
+        return _failover(m, o, fallback, f"still unhealthy after {m.restarts} restarts: {o.detail}")
+    m.restarts += 1  # 1.
+    return Action("restart", o.runtime, f"hung: {o.detail} ({hang_after} samples in a row)")
+
+
+def _failover(m: Memory, o: Observation, fallback: str | None, why: str) -> Action | None:
+    if not fallback or fallback == o.runtime:
+        return None
+    return Action("failover", fallback, f"{o.runtime} {why}")
+
+
+# --- the loop ----------------------------------------------------------------------------------
+
+
+def switching(state_dir: Path) -> bool:
+    try:
+        fd = os.open(state_dir / state.LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation:
+    now = time.time()
+    runtime = unit_state = sub_state = None
+    pid = None
+    for name, rt in sorted(config.runtimes.items()):
+        st = sd.state(rt.unit)
+        if st.active_state in {"active", "activating", "failed"} and (
+            runtime is None or st.active_state == "active"
+        ):
+            if st.active_state == "failed" and st.unit_file_state != "enabled":
+                continue  # a failed unit that is not the chosen runtime is history, not news
+            runtime, unit_state, sub_state, pid = name, st.active_state, st.sub_state, st.main_pid
+    mon = config.monitor
+    url = runtimes.backend_url(config)
+    healthy, detail, in_flight = False, "no runtime", None
+    if runtime is not None and unit_state == "active":
+        probe = health.probe(url + "/health", timeout_s=mon.health_timeout_s)
+        healthy, detail = probe.healthy, f"/health: {probe.detail}"
+        if healthy and mon.probe_completion:
+            healthy, detail = _probe_completion(url, config.proxy.model, mon.probe_timeout_s)
+        try:
+            text = httpx.get(url + "/metrics", timeout=mon.health_timeout_s).text
+            running = bench.parse_running(text)
+            waiting = _metric(text, "vllm:num_requests_waiting") or _metric(
+                text, "llamacpp:requests_deferred"
+            )
+            in_flight = None if running is None else running + int(waiting or 0)
+        except httpx.HTTPError:
+            pass
+    return Observation(
+        now, runtime, unit_state, sub_state, pid, healthy, detail, switching(state_dir), in_flight
+    )
+
+
+def _probe_completion(url: str, model: str, timeout_s: float) -> tuple[bool, str]:
+    body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+    try:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+    except httpx.TimeoutException:
+        return False, f"probe completion: no answer within {timeout_s:g} s"
+    except httpx.HTTPError as e:
+        return False, f"probe completion: {e}"
+    return (
+        r.status_code == 200,
+        "ok" if r.status_code == 200 else f"probe completion: HTTP {r.status_code}",
+    )
+
+
+def _metric(text: str, name: str) -> float | None:
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.split("{", 1)[0].split(" ", 1)[0] == name:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+            except (IndexError, ValueError):
+                continue
+    return total if found else None
+
+
+def act(
+    config: Config, scope: Scope, sd: systemd.Systemd, action: Action, m: Memory, log: Any
+) -> None:
+    m.last_action = {
+        "at": time.time(),
+        "what": action.kind,
+        "runtime": action.runtime,
+        "reason": action.reason,
+    }
+    log(f"{action.kind} {action.runtime}: {action.reason}")
+    if action.kind == "restart":
+        m.restarts_by_monitor += 1
+        unit = config.runtime(action.runtime).unit
+        sd.manager.RestartUnit(unit.encode(), b"replace")
+        return
+    from appliance import ops
+    from appliance.errors import ApplianceError
+
+    m.failovers += 1
+    try:
+        ops.switch(config, scope, action.runtime)
+        m.last_action["result"] = f"{action.runtime} is serving"
+    except ApplianceError as e:
+        m.last_action["result"] = f"failover failed: {e.message}"
+        m.hold_until = time.time() + FAILOVER_BACKOFF_S
+        log(f"failover to {action.runtime} failed: {e.message}; again in {FAILOVER_BACKOFF_S} s")
+
+
+def save(state_dir: Path, m: Memory, o: Observation | None) -> None:
+    doc = asdict(m)
+    doc["last_observation"] = asdict(o) if o else None
+    doc["pid"] = os.getpid()
+    write_atomic(state_dir / STATE_FILE, json.dumps(doc, sort_keys=True) + "\n")
+
+
+def read_state(state_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((state_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def run(config: Config, scope: Scope, log: Any, once: bool = False) -> None:
+    from appliance import metrics
+
+    lay = layout(scope)
+    mon = config.monitor
+    exporter = metrics.Exporter(config)
+    exporter.serve(mon.host, mon.port)
+    m = Memory()
+    log(f"monitoring every {mon.interval_s:g} s; metrics on http://{mon.host}:{mon.port}/metrics")
+    while True:
+        with systemd.connect(scope) as sd:
+            o = observe(config, sd, lay.state_dir)
+            action = judge(m, o, mon.hang_after, mon.restart_tries, mon.fallback)
+            if action:
+                act(config, scope, sd, action, m, log)
+            units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
+            units[PROXY_UNIT] = sd.state(PROXY_UNIT)
+        proxy = health.probe(
+            runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
+        )
+        exporter.update(o, m, units, proxy.healthy, gpu.snapshot(gpu.sysroot()), lay.state_dir)
+        save(lay.state_dir, m, o)
+        if once:
+            return
+        time.sleep(mon.interval_s)

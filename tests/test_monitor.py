@@ -1,0 +1,225 @@
+"""The monitor: its policy on data, and b70-monitor.service on the real stack."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from appliance.monitor import Action, Memory, Observation, judge
+from tests.conftest import (
+    GGUF,
+    LLAMA_SERVER,
+    Appliance,
+    demo_config_text,
+    free_port,
+    require_real_parts,
+    running_manager,
+)
+
+
+def obs(
+    runtime: str | None = "a", unit: str = "active", healthy: bool = True, switching: bool = False
+) -> Observation:
+    return Observation(
+        0.0,
+        runtime,
+        unit,
+        "running",
+        1,
+        healthy,
+        "ok" if healthy else "/health: no answer",
+        switching,
+    )
+
+
+def run_policy(observations: list[Observation], fallback: str | None = "b") -> list[Action | None]:
+    m = Memory()
+    return [judge(m, o, hang_after=2, restart_tries=1, fallback=fallback) for o in observations]
+
+
+def test_policy_restarts_a_hung_runtime_then_fails_over() -> None:
+    sick = obs(healthy=False)
+    actions = run_policy([obs(), sick, sick, sick, sick])
+    assert [a.kind if a else None for a in actions] == [None, None, "restart", None, "failover"]
+    assert actions[2] == Action("restart", "a", "hung: /health: no answer (2 samples in a row)")
+    assert actions[4] == Action(
+        "failover", "b", "a still unhealthy after 1 restarts: /health: no answer"
+    )
+
+
+def test_policy_forgets_failures_once_healthy_and_waits_while_starting() -> None:
+    sick = obs(healthy=False)
+    assert (
+        run_policy([sick, obs(), sick, obs(unit="activating", healthy=False), sick]) == [None] * 5
+    )
+
+
+def test_policy_fails_over_from_a_failed_unit_but_not_during_a_switch_or_without_fallback() -> None:
+    assert run_policy([obs(unit="failed", healthy=False)])[0] == Action(
+        "failover", "b", "a its unit failed and systemd gave up restarting it"
+    )
+    assert run_policy([obs(unit="failed", healthy=False, switching=True)]) == [None]
+    assert run_policy([obs(unit="failed", healthy=False)], fallback=None) == [None]
+    assert run_policy([obs(runtime="b", unit="failed", healthy=False)]) == [
+        None
+    ]  # it is the fallback
+
+
+# --- b70-monitor.service on the real stack -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance, Path, int]]:
+    require_real_parts()
+    root = tmp_path_factory.mktemp("monitor")
+    model = root / "flaky.gguf"
+    shutil.copy(GGUF, model)
+    metrics_port = free_port()
+    extra = f"""
+[runtimes.flaky]
+engine = "llamacpp"
+command = ["{LLAMA_SERVER}"]
+model = "{model}"
+start_timeout_s = 60
+args = ["-c", "1024"]
+
+[monitor]
+port = {metrics_port}
+interval_s = 1
+health_timeout_s = 1
+probe_timeout_s = 10
+hang_after = 2
+restart_tries = 1
+fallback = "llamacpp"
+"""
+    text = demo_config_text(free_port(), free_port(), extra).replace(
+        'default_runtime = "llamacpp"', 'default_runtime = "flaky"'
+    )
+    with running_manager(root / "manager") as manager:
+        cfg = root / "appliance.toml"
+        cfg.write_text(text)
+        proxy_port = int(text.split("port = ", 1)[1].split("\n", 1)[0])
+        backend_port = int(text.split("[backend]", 1)[1].split("port = ", 1)[1].split("\n", 1)[0])
+        app = Appliance(manager, cfg, proxy_port, backend_port)
+        app.b70ctl("install", check=True)
+        try:
+            yield app, model, metrics_port
+        finally:
+            app.b70ctl("uninstall", "--purge")
+
+
+def main_pid(app: Appliance, unit: str) -> int:
+    return int(app.manager.systemctl("show", "-p", "MainPID", "--value", unit).strip() or 0)
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except (httpx.HTTPError, OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"{what} did not happen within {timeout_s} s")
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_match_the_known_state(watched: tuple[Appliance, Path, int]) -> None:
+    app, _, port = watched
+    wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
+    m = scrape(port)
+    assert m[("b70_active_runtime", (("runtime", "flaky"),))] == 1.0
+    assert m[("b70_active_runtime", (("runtime", "llamacpp"),))] == 0.0
+    assert m[("b70_proxy_up", ())] == 1.0
+    assert m[("b70_unit_active", (("unit", "b70-flaky.service"),))] == 1.0
+    assert m[("b70_unit_active", (("unit", "b70-vllm.service"),))] == 0.0
+    history = Path(app.manager.env["XDG_STATE_HOME"]) / "b70" / "switches.jsonl"
+    switches = len(history.read_text().splitlines()) if history.exists() else 0
+    assert m[("b70_switches_total", ())] == switches
+    assert m[("b70_requests_in_flight", ())] == 0.0
+    assert m[("b70_failovers_total", ())] == 0.0
+
+
+def test_kill_9_is_restarted_by_systemd(watched: tuple[Appliance, Path, int]) -> None:
+    app, _, _ = watched
+    before = main_pid(app, "b70-flaky.service")
+    os.kill(before, signal.SIGKILL)
+    took = wait_for(
+        lambda: main_pid(app, "b70-flaky.service") not in (0, before) and app.ask().strip(),
+        60,
+        "serving again after kill -9",
+    )
+    print(f"\nkill -9 -> serving through the proxy again after {took:.1f} s")
+    assert app.json("status")["result"]["active_runtime"] == "flaky"
+
+
+def test_a_hang_is_detected_and_restarted(watched: tuple[Appliance, Path, int]) -> None:
+    app, _, port = watched
+    wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
+    before = main_pid(app, "b70-flaky.service")
+    os.kill(before, signal.SIGSTOP)
+    try:
+        took = wait_for(
+            lambda: main_pid(app, "b70-flaky.service") not in (0, before),
+            60,
+            "a restart of the hung runtime",
+        )
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before, signal.SIGCONT)
+    print(f"\nSIGSTOP -> restarted by the monitor after {took:.1f} s")
+    assert took < 30
+    wait_for(lambda: app.ask().strip(), 60, "serving again")
+    monitor = app.json("status")["result"]["monitor"]
+    assert (
+        monitor["last_action"]["what"] == "restart" and monitor["last_action"]["runtime"] == "flaky"
+    )
+    assert monitor["last_action"]["reason"].startswith("hung: ")
+    assert monitor["restarts_by_monitor"] >= 1
+    human = app.b70ctl("status").stdout
+    assert "last action   restart flaky: hung: " in human
+
+
+def test_a_runtime_that_cannot_come_back_fails_over(watched: tuple[Appliance, Path, int]) -> None:
+    app, model, port = watched
+    wait_for(lambda: app.json("status")["result"]["active_runtime"] == "flaky", 60, "flaky serving")
+    model.write_bytes(b"GGUF" + b"\0" * 64)  # its next start fails
+    os.kill(main_pid(app, "b70-flaky.service"), signal.SIGKILL)
+    took = wait_for(
+        lambda: app.json("status")["result"]["active_runtime"] == "llamacpp", 120, "failover"
+    )
+    print(f"\nunrecoverable runtime -> failover to llamacpp after {took:.1f} s")
+    assert app.ask().strip()
+    monitor = app.json("status")["result"]["monitor"]
+    assert (
+        monitor["last_action"]["what"] == "failover"
+        and monitor["last_action"]["runtime"] == "llamacpp"
+    )
+    assert monitor["last_action"]["result"] == "llamacpp is serving"
+    assert "flaky" in monitor["last_action"]["reason"]
+    wait_for(
+        lambda: scrape(port).get(("b70_failovers_total", ())) == 1.0, 10, "the failover metric"
+    )
+    record = json.loads(
+        (Path(app.manager.env["XDG_STATE_HOME"]) / "b70" / "last-switch.json").read_text()
+    )
+    assert record["to"] == "llamacpp" and record["ok"]
