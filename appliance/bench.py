@@ -54,20 +54,25 @@ class RequestResult:
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def parse_running(metrics_text: str) -> int | None:
-    """Requests running now, from vLLM's or llama-server's Prometheus text."""
+def metric_sum(metrics_text: str, names: tuple[str, ...]) -> float | None:
+    """The sum of every sample of the named metrics in Prometheus text; None if there is none."""
     total, found = 0.0, False
     for line in metrics_text.splitlines():
         if line.startswith("#"):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in RUNNING_METRICS:
+        if line.split("{", 1)[0].split(" ", 1)[0] in names:
             try:
                 total += float(line.rsplit(" ", 1)[1])
                 found = True
             except (IndexError, ValueError):
                 continue
-    return int(total) if found else None
+    return total if found else None
+
+
+def parse_running(metrics_text: str) -> int | None:
+    """Requests running now, from vLLM's or llama-server's Prometheus text."""
+    running = metric_sum(metrics_text, RUNNING_METRICS)
+    return None if running is None else int(running)
 
 
 def random_token_ids(rng: random.Random, vocab: int, n: int) -> list[int]:

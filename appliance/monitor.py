@@ -33,6 +33,7 @@ from appliance.render import PROXY_UNIT, layout, write_atomic
 
 STATE_FILE = "monitor.json"
 FAILOVER_BACKOFF_S = 60
+WAITING_METRICS = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
 
 
 @dataclass
@@ -152,9 +153,7 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation
         try:
             text = httpx.get(url + "/metrics", timeout=mon.health_timeout_s).text
             running = bench.parse_running(text)
-            waiting = _metric(text, "vllm:num_requests_waiting") or _metric(
-                text, "llamacpp:requests_deferred"
-            )
+            waiting = bench.metric_sum(text, WAITING_METRICS)
             in_flight = None if running is None else running + int(waiting or 0)
         except httpx.HTTPError:
             pass
@@ -175,18 +174,6 @@ def _probe_completion(url: str, model: str, timeout_s: float) -> tuple[bool, str
         r.status_code == 200,
         "ok" if r.status_code == 200 else f"probe completion: HTTP {r.status_code}",
     )
-
-
-def _metric(text: str, name: str) -> float | None:
-    total, found = 0.0, False
-    for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] == name:
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-            except (IndexError, ValueError):
-                continue
-    return total if found else None
 
 
 def act(
