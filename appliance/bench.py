@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 RUNNING_METRICS = ("vllm:num_requests_running", "llamacpp:requests_processing")
+SAMPLE_EVERY_S = 0.5  # often enough to prove concurrency, rarely enough not to load the server
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ async def _sample(
             if running is not None:
                 samples.append((round(time.perf_counter() - t0, 3), running))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.2)
+                await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
 
 
 async def run(
