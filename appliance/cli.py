@@ -114,12 +114,12 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
       b70ctl --config examples/b70.toml render --out /tmp/units
       b70ctl render --diff
     """
-    from appliance import ops
+    from appliance.install import render_diff
     from appliance.render import layout, render_all, write_atomic
 
     config = ctx.config()
     if diff:
-        text = ops.render_diff(config, ctx.scope)
+        text = render_diff(config, ctx.scope)
         click.echo(text, nl=False)
         sys.exit(1 if text else 0)
     files = render_all(config, layout(ctx.scope))
@@ -151,9 +151,9 @@ def install(ctx: Context, now: bool) -> None:
       sudo b70ctl install
       b70ctl --user --config examples/demo.toml install
     """
-    from appliance import ops
+    from appliance import install as install_mod
 
-    result = ops.install(ctx.config(), ctx.scope, now, output.progress)
+    result = install_mod.install(ctx.config(), ctx.scope, now, output.progress)
     if ctx.json:
         output.emit_json(dataclasses.asdict(result))
         return
@@ -180,9 +180,9 @@ def uninstall(ctx: Context, purge: bool) -> None:
     Example:
       sudo b70ctl uninstall --purge
     """
-    from appliance import ops
+    from appliance import install as install_mod
 
-    removed = ops.uninstall(ctx.config(), ctx.scope, purge)
+    removed = install_mod.uninstall(ctx.config(), ctx.scope, purge)
     if ctx.json:
         output.emit_json({"removed": removed})
         return
@@ -202,10 +202,10 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool) -> None:
     Example:
       sudo b70ctl switch llamacpp
     """
-    from appliance import ops
+    from appliance import switching
 
-    progress = output.progress if sys.stderr.isatty() or not ctx.json else ops.no_progress
-    result = ops.switch(ctx.config(), ctx.scope, name, restart, progress, gate)
+    progress = output.progress if sys.stderr.isatty() or not ctx.json else switching.no_progress
+    result = switching.switch(ctx.config(), ctx.scope, name, restart, progress, gate)
     data = dataclasses.asdict(result)
     data.pop("journal")
     if ctx.json:
@@ -223,9 +223,9 @@ def status(ctx: Context) -> None:
     Example:
       b70ctl status --json | jq .result.active_runtime
     """
-    from appliance import ops
+    from appliance import status as status_mod
 
-    result = ops.status(ctx.config(), ctx.scope)
+    result = status_mod.status(ctx.config(), ctx.scope)
     if ctx.json:
         output.emit_json(result)
     else:
@@ -389,7 +389,7 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     Example:
       b70ctl gate && b70ctl switch vllm --gate
     """
-    from appliance import ops, systemd
+    from appliance import state, systemd
     from appliance.gate import run_gate
     from appliance.render import layout
 
@@ -409,7 +409,7 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
 
     result = run_gate(
         runtimes.proxy_url(config),
-        ops.read_key(lay),
+        state.read_key(lay),
         config.proxy.model,
         serving[0],
         lay.state_dir,
@@ -511,19 +511,19 @@ def _bench_target(ctx: Context, o: dict[str, Any]) -> tuple[Any, str, str, dict[
     runtime_url = o["runtime_url"] or runtimes.backend_url(config)  # type: ignore[arg-type]
     key = o["api_key"]
     if config is not None:
-        from appliance import ops, systemd
+        from appliance import state, systemd
         from appliance.render import layout
 
-        key = key or ops.read_key(layout(ctx.scope))
+        key = key or state.read_key(layout(ctx.scope))
         with systemd.connect(ctx.scope) as sd:
             for name, rt in sorted(config.runtimes.items()):
-                state = sd.state(rt.unit)
-                if state.active_state == "active":
+                unit_state = sd.state(rt.unit)
+                if unit_state.active_state == "active":
                     runtime = {
                         "name": name,
                         "engine": rt.engine.value,
                         "unit": rt.unit,
-                        "invocation_id": state.invocation_id,
+                        "invocation_id": unit_state.invocation_id,
                     }
         if runtime["name"] is None:
             raise ApplianceError(

@@ -191,12 +191,12 @@ def act(
         unit = config.runtime(action.runtime).unit
         sd.manager.RestartUnit(unit.encode(), b"replace")
         return
-    from appliance import ops
+    from appliance import switching
     from appliance.errors import ApplianceError
 
     m.failovers += 1
     try:
-        ops.switch(config, scope, action.runtime)
+        switching.switch(config, scope, action.runtime)
         m.last_action["result"] = f"{action.runtime} is serving"
     except ApplianceError as e:
         m.last_action["result"] = f"failover failed: {e.message}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
-from appliance.render import write_atomic
+from appliance.render import Layout, write_atomic
 
 LOCK_FILE = "switch.lock"
 LAST_SWITCH = "last-switch.json"
@@ -70,3 +71,36 @@ def last_switch(state_dir: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_key(lay: Layout) -> str:
+    try:
+        text = lay.key_file.read_text()
+    except FileNotFoundError:
+        raise ApplianceError(
+            f"the proxy key file {lay.key_file} does not exist",
+            hint="run `b70ctl install`",
+            code="not_installed",
+        ) from None
+    except PermissionError:
+        raise ApplianceError(
+            f"cannot read the proxy key file {lay.key_file}",
+            hint="run as root (or with --user)",
+            code="permission_denied",
+        ) from None
+    for line in text.splitlines():
+        if line.startswith("LITELLM_MASTER_KEY="):
+            return line.split("=", 1)[1].strip()
+    raise ApplianceError(
+        f"{lay.key_file} holds no LITELLM_MASTER_KEY=",
+        hint="delete it and run `b70ctl install`",
+        code="not_installed",
+    )
+
+
+def ensure_key(lay: Layout) -> bool:
+    if lay.key_file.exists():
+        return False
+    key = "sk-b70-" + secrets.token_urlsafe(32)
+    write_atomic(lay.key_file, f"LITELLM_MASTER_KEY={key}\n", mode=0o600)
+    return True

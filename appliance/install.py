@@ -1,0 +1,228 @@
+"""Render and install: verify, write atomically, reload, enable, start; and uninstall."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from appliance import systemd
+from appliance.config import Config, Scope
+from appliance.errors import ApplianceError
+from appliance.render import (
+    MONITOR_UNIT,
+    PROXY_CONFIG,
+    PROXY_UNIT,
+    SYSUSERS,
+    Layout,
+    changed_files,
+    layout,
+    render_all,
+    write_atomic,
+)
+from appliance.state import ensure_key
+from appliance.switching import (
+    Progress,
+    active_runtimes,
+    check_port,
+    no_progress,
+    wait_started,
+    wait_stopped,
+)
+
+
+def render_diff(config: Config, scope: Scope) -> str:
+    lay = layout(scope)
+    chunks: list[str] = []
+    for name, text in render_all(config, lay).items():
+        dest = lay.destination(name)
+        try:
+            current = dest.read_text().splitlines(keepends=True)
+        except FileNotFoundError:
+            current = []
+        chunks += difflib.unified_diff(
+            current, text.splitlines(keepends=True), str(dest), f"{dest} (rendered)"
+        )
+    return "".join(chunks)
+
+
+def verify_units(files: dict[str, str], scope: Scope) -> None:
+    """`systemd-analyze verify` on the rendered units; any output at all is a failure."""
+    with tempfile.TemporaryDirectory(prefix="b70-verify.") as tmp:
+        paths = []
+        for name, text in files.items():
+            if name.endswith(".service"):
+                (Path(tmp) / name).write_text(text)
+                paths.append(str(Path(tmp) / name))
+        argv = ["systemd-analyze", "verify", "--man=no"]
+        if scope is Scope.USER:
+            argv.insert(1, "--user")
+        env = dict(os.environ)
+        env.setdefault("XDG_RUNTIME_DIR", tmp)  # --user verify needs one, not a running manager
+        try:
+            out = subprocess.run(argv + paths, capture_output=True, text=True, timeout=60, env=env)
+        except FileNotFoundError:
+            raise ApplianceError(
+                "systemd-analyze is not installed", hint="install systemd", code="verify_failed"
+            ) from None
+        text = (out.stdout + out.stderr).replace(tmp + "/", "")
+        if out.returncode != 0 or text.strip():
+            raise ApplianceError(
+                "the rendered units do not pass `systemd-analyze verify`; nothing was installed:\n"
+                + text.strip(),
+                hint="fix what it names in the config (a missing executable, a bad value)",
+                code="verify_failed",
+            )
+
+
+def install_config(config: Config, lay: Layout) -> bool:
+    """Keep the config the units came from where they (and b70ctl without --config) find it."""
+    text = config.path.read_text()
+    try:
+        if lay.config.read_text() == text:
+            return False
+    except FileNotFoundError:
+        pass
+    write_atomic(lay.config, text)
+    return True
+
+
+def create_users(sysusers_file: Path) -> None:
+    """systemd-sysusers creates the runtimes' users and adds them to the render group."""
+    out = subprocess.run(["systemd-sysusers", str(sysusers_file)], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise ApplianceError(
+            f"systemd-sysusers could not create the runtime users: {out.stderr.strip()}",
+            hint=f"check {sysusers_file}",
+            code="install_failed",
+        )
+
+
+@dataclass
+class InstallResult:
+    scope: str
+    written: list[str]
+    unchanged: list[str]
+    key_created: bool
+    enabled: list[str]
+    started: list[str]
+    notes: list[str] = field(default_factory=list)
+
+
+def install(
+    config: Config, scope: Scope, now: bool, progress: Progress = no_progress
+) -> InstallResult:
+    lay = layout(scope)
+    files = render_all(config, lay)
+    verify_units(files, scope)  # before anything is written
+    changed = changed_files(files, lay)
+    runtime_units = [rt.unit for rt in config.runtimes.values()]
+    with systemd.connect(scope) as sd:
+        if now:  # what would keep the units from starting, before anything is written
+            check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
+            check_port(sd, runtime_units, config.backend.port, "backend")
+        key_created = ensure_key(lay)
+        lay.state_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in changed.items():
+            write_atomic(lay.destination(name), text)
+        config_changed = install_config(config, lay)
+        if SYSUSERS in changed:
+            create_users(lay.destination(SYSUSERS))
+        sd.reload()
+        enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
+        to_enable = [PROXY_UNIT, MONITOR_UNIT] + (
+            [] if enabled_runtime else [config.runtime(config.default_runtime).unit]
+        )
+        sd.enable(to_enable)
+        result = InstallResult(
+            scope=scope.value,
+            written=[str(lay.destination(n)) for n in changed],
+            unchanged=[str(lay.destination(n)) for n in files if n not in changed],
+            key_created=key_created,
+            enabled=to_enable,
+            started=[],
+        )
+        if not now:
+            return result
+        proxy_changed = PROXY_UNIT in changed or PROXY_CONFIG in changed
+        proxy_state = sd.state(PROXY_UNIT)
+        if proxy_state.active_state == "active" and proxy_changed:
+            progress("restarting", PROXY_UNIT)
+            sd.manager.RestartUnit(PROXY_UNIT.encode(), b"replace")
+            wait_started(sd, PROXY_UNIT, 180, progress)
+            result.started.append(PROXY_UNIT)
+        elif proxy_state.active_state != "active":
+            progress("starting", PROXY_UNIT)
+            sd.reset_failed(PROXY_UNIT)
+            sd.start(PROXY_UNIT)
+            wait_started(sd, PROXY_UNIT, 180, progress)
+            result.started.append(PROXY_UNIT)
+        monitor_state = sd.state(MONITOR_UNIT)
+        if monitor_state.active_state == "active" and (MONITOR_UNIT in changed or config_changed):
+            sd.manager.RestartUnit(MONITOR_UNIT.encode(), b"replace")
+            result.started.append(MONITOR_UNIT)
+        elif monitor_state.active_state != "active":
+            sd.reset_failed(MONITOR_UNIT)
+            sd.start(MONITOR_UNIT)
+            result.started.append(MONITOR_UNIT)
+        active = active_runtimes(config, sd)
+        if not active:
+            name = enabled_runtime[0][4:-8] if enabled_runtime else config.default_runtime
+            rt = config.runtime(name)
+            progress("starting", rt.unit)
+            sd.reset_failed(rt.unit)
+            sd.start(rt.unit)
+            try:
+                wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+            except ApplianceError as e:
+                sd.stop(rt.unit)  # do not leave it retrying in the background
+                journal = " ".join(systemd.journal_command(scope, rt.unit, 50))
+                e.message = f"installed, but {e.message}"
+                e.hint = f"see why: {journal}; then `b70ctl switch {name}`"
+                raise
+            result.started.append(rt.unit)
+        else:
+            stale = [config.runtime(n).unit for n in active if config.runtime(n).unit in changed]
+            for unit in stale:
+                name = unit.removeprefix("b70-").removesuffix(".service")
+                result.notes.append(
+                    f"{unit} changed while it runs; `b70ctl switch {name} --restart` applies it"
+                )
+        return result
+
+
+def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
+    lay = layout(scope)
+    units = [rt.unit for rt in config.runtimes.values()] + [PROXY_UNIT, MONITOR_UNIT]
+    removed = []
+    with systemd.connect(scope) as sd:
+        loaded = [u for u in units if sd.state(u).load_state != "not-found"]
+        for unit in loaded:
+            sd.stop(unit)
+        for unit in loaded:
+            wait_stopped(sd, unit, 300)
+        sd.disable([u for u in loaded if lay.destination(u).exists()])
+        for name in [*units, PROXY_CONFIG]:
+            path = lay.destination(name)
+            if path.exists():
+                path.unlink()
+                removed.append(str(path))
+        if purge:
+            for path in [lay.key_file]:
+                if path.exists():
+                    path.unlink()
+                    removed.append(str(path))
+            if lay.state_dir.exists():
+                shutil.rmtree(lay.state_dir)
+                removed.append(str(lay.state_dir))
+        sd.reload()
+        for unit in units:
+            sd.reset_failed(unit)
+    return removed
+
+
+# --- waiting on units --------------------------------------------------------------------------

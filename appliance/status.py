@@ -1,0 +1,72 @@
+"""What `b70ctl status` reports: units, health, the last switch and the monitor's view."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from appliance import health, runtimes, state, systemd
+from appliance.config import Config, Scope
+from appliance.render import (
+    MONITOR_UNIT,
+    PROXY_UNIT,
+    layout,
+)
+
+
+def status(config: Config, scope: Scope) -> dict[str, Any]:
+    lay = layout(scope)
+    units = [rt.unit for _, rt in sorted(config.runtimes.items())] + [PROXY_UNIT, MONITOR_UNIT]
+    with systemd.connect(scope) as sd:
+        states = {u: sd.state(u) for u in units}
+    active = [
+        n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"
+    ]
+    backend = health.probe(runtimes.backend_url(config) + "/health")
+    proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
+    return {
+        "scope": scope.value,
+        "config": str(config.path),
+        "active_runtime": active[0] if len(active) == 1 else None,
+        "active_runtimes": active,
+        "units": [
+            {
+                "unit": s.name,
+                "load": s.load_state,
+                "active": s.active_state,
+                "sub": s.sub_state,
+                "enabled": s.unit_file_state,
+                "main_pid": s.main_pid,
+                "result": s.result,
+                "since_us": s.active_enter_us,
+            }
+            for s in states.values()
+        ],
+        "backend": {
+            "url": runtimes.backend_url(config),
+            "healthy": backend.healthy,
+            "detail": backend.detail,
+        },
+        "proxy": {
+            "url": runtimes.proxy_url(config),
+            "healthy": proxy.healthy,
+            "detail": proxy.detail,
+        },
+        "last_switch": state.last_switch(lay.state_dir),
+        "monitor": monitor_view(lay.state_dir),
+    }
+
+
+def monitor_view(state_dir: Path) -> dict[str, Any] | None:
+    from appliance.monitor import read_state
+
+    data = read_state(state_dir)
+    if data is None:
+        return None
+    return {
+        "up_since": data.get("started_at"),
+        "last_failure": data.get("last_failure"),
+        "last_action": data.get("last_action"),
+        "restarts_by_monitor": data.get("restarts_by_monitor"),
+        "failovers": data.get("failovers"),
+    }
