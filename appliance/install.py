@@ -223,6 +223,3 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
         for unit in units:
             sd.reset_failed(unit)
     return removed
-
-
-# --- waiting on units --------------------------------------------------------------------------

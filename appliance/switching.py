@@ -31,7 +31,7 @@ def no_progress(phase: str, detail: str) -> None:
     pass
 
 
-# --- render and install ------------------------------------------------------------------------
+# --- waiting on units ----------------------------------------------------------------------------
 
 
 SUB_STATE_PHASE = {
@@ -382,6 +382,3 @@ def _roll_back(
     result.rolled_back = True
     result.error = reason + f"\n  rolled back: {previous} is serving again"
     return result
-
-
-# --- status ------------------------------------------------------------------------------------
