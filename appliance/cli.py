@@ -5,12 +5,9 @@ One click group, one short function per command, one error handler (`main`).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -467,6 +464,10 @@ def bench(ctx: Context, **o: Any) -> None:
     Example:
       b70ctl bench --requests 128 --concurrency 64 --out b70-vllm.json
     """
+    import asyncio
+    import json
+    import time
+
     from appliance import bench as bench_mod
 
     w, runtime_url, metrics_url, runtime = _bench_target(ctx, o)

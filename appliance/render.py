@@ -12,10 +12,12 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import jinja2
+from typing import TYPE_CHECKING
 
 from appliance import runtimes
+
+if TYPE_CHECKING:
+    import jinja2
 from appliance.config import Config, Launcher, RuntimeConfig, Scope
 
 PROXY_UNIT = "b70-litellm.service"
@@ -115,6 +117,8 @@ def render_seconds(value: float) -> str:
 
 
 def _environment() -> jinja2.Environment:
+    import jinja2  # only rendering needs it; status and the unit gates do not
+
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
