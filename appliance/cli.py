@@ -386,29 +386,19 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     Example:
       b70ctl gate && b70ctl switch vllm --gate
     """
-    from appliance import state, systemd
+    from appliance import runtimes, state, switching, systemd
     from appliance.gate import run_gate
     from appliance.render import layout
 
     config = ctx.config()
     lay = layout(ctx.scope)
     with systemd.connect(ctx.scope) as sd:
-        serving = [
-            n
-            for n, rt in sorted(config.runtimes.items())
-            if sd.state(rt.unit).active_state == "active"
-        ]
-    if not serving:
-        raise ApplianceError(
-            "no runtime is serving", hint="`b70ctl switch NAME` first", code="not_serving"
-        )
-    from appliance import runtimes
-
+        serving = switching.require_serving(config, sd)
     result = run_gate(
         runtimes.proxy_url(config),
         state.read_key(lay),
         config.proxy.model,
-        serving[0],
+        serving,
         lay.state_dir,
         k,
         record,
@@ -512,24 +502,19 @@ def _bench_target(ctx: Context, o: dict[str, Any]) -> tuple[Any, str, str, dict[
     runtime_url = o["runtime_url"] or runtimes.backend_url(config)  # type: ignore[arg-type]
     key = o["api_key"]
     if config is not None:
-        from appliance import state, systemd
+        from appliance import state, switching, systemd
         from appliance.render import layout
 
         key = key or state.read_key(layout(ctx.scope))
         with systemd.connect(ctx.scope) as sd:
-            for name, rt in sorted(config.runtimes.items()):
-                unit_state = sd.state(rt.unit)
-                if unit_state.active_state == "active":
-                    runtime = {
-                        "name": name,
-                        "engine": rt.engine.value,
-                        "unit": rt.unit,
-                        "invocation_id": unit_state.invocation_id,
-                    }
-        if runtime["name"] is None:
-            raise ApplianceError(
-                "no runtime is serving", hint="`b70ctl switch NAME` first", code="not_serving"
-            )
+            name = switching.require_serving(config, sd)
+            rt = config.runtimes[name]
+            runtime = {
+                "name": name,
+                "engine": rt.engine.value,
+                "unit": rt.unit,
+                "invocation_id": sd.state(rt.unit).invocation_id,
+            }
         runtime["engine"] = o["engine"] or runtime["engine"]
     w = bench_mod.Workload(
         url=url,

@@ -87,6 +87,23 @@ def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
     raise ApplianceError(f"{unit} did not stop within {timeout_s:.0f} s", code="stop_timeout")
 
 
+def serving_runtime(config: Config, sd: systemd.Systemd) -> str | None:
+    """The runtime whose unit is active (the health gate makes active mean answering)."""
+    for name, rt in sorted(config.runtimes.items()):
+        if sd.state(rt.unit).active_state == "active":
+            return name
+    return None
+
+
+def require_serving(config: Config, sd: systemd.Systemd) -> str:
+    name = serving_runtime(config, sd)
+    if name is None:
+        raise ApplianceError(
+            "no runtime is serving", hint="`b70ctl switch NAME` first", code="not_serving"
+        )
+    return name
+
+
 def active_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
     out = []
     for name, rt in sorted(config.runtimes.items()):
@@ -287,12 +304,7 @@ def switch(
     with state.switch_lock(lay.state_dir, target_name), systemd.connect(scope) as sd:
         notes = preflight(config, lay, sd, target)
         phases = {"preflight": time.monotonic() - t0}
-        serving = [
-            n
-            for n in active_runtimes(config, sd)
-            if sd.state(config.runtime(n).unit).active_state == "active"
-        ]
-        previous = serving[0] if serving else None
+        previous = serving_runtime(config, sd)
         if previous == target_name and not restart:
             answer = verify_through_proxy(config, lay)
             notes.append(f"{target_name} is already serving")
