@@ -5,6 +5,7 @@ Rendering is pure: data in, {file name: text} out. `write_atomic` is the only wr
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -102,6 +103,11 @@ def quote_exec_arg(arg: str) -> str:
     return f'"{escaped}"'
 
 
+def _render(template: str, lay: Layout, **values: object) -> str:
+    """One template, told where the config the units come from is installed."""
+    return _environment().get_template(template).render(config_path=lay.config, **values)
+
+
 def render_exec(argv: list[str]) -> str:
     return " ".join(quote_exec_arg(a) for a in argv)
 
@@ -116,6 +122,7 @@ def render_seconds(value: float) -> str:
     return f"{value:g}s"
 
 
+@functools.cache
 def _environment() -> jinja2.Environment:
     import jinja2  # only rendering needs it; status and the unit gates do not
 
@@ -162,29 +169,26 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config)]
     post += ["--engine", runtime.engine.value, "--pid", MAINPID]
     if runtime.launcher is not Launcher.NATIVE:
-        engine_bin = config.docker if runtime.launcher is Launcher.DOCKER else config.podman
+        engine_bin = runtimes.container_cli(config, runtime)
         post += ["--container", runtimes.container_name(runtime), "--container-cli", engine_bin]
     interval = int(runtime.restart_burst * (runtime.start_timeout_s + RESTART_SEC) + 60)
-    return (
-        _environment()
-        .get_template("runtime.service.j2")
-        .render(
-            config_path=lay.config,
-            rt=runtime,
-            conflicts=[o.unit for o in others],
-            after=after,
-            system_scope=lay.scope is Scope.SYSTEM,
-            environment=[render_environment(k, v) for k, v in sorted(runtime.env.items())],
-            exec_start_pre=pre,
-            exec_start=runtimes.exec_start(config, runtime),
-            exec_start_post=post,
-            exec_stop=runtimes.exec_stop(config, runtime),
-            exec_stop_post=runtimes.exec_stop_post(config, runtime),
-            timeout_stop_s=runtime.stop_timeout_s + 15,
-            start_limit_interval_s=interval,
-            run_as=runtime.user if lay.scope is Scope.SYSTEM else None,
-            wanted_by=lay.wanted_by,
-        )
+    return _render(
+        "runtime.service.j2",
+        lay,
+        rt=runtime,
+        conflicts=[o.unit for o in others],
+        after=after,
+        system_scope=lay.scope is Scope.SYSTEM,
+        environment=[render_environment(k, v) for k, v in sorted(runtime.env.items())],
+        exec_start_pre=pre,
+        exec_start=runtimes.exec_start(config, runtime),
+        exec_start_post=post,
+        exec_stop=runtimes.exec_stop(config, runtime),
+        exec_stop_post=runtimes.exec_stop_post(config, runtime),
+        timeout_stop_s=runtime.stop_timeout_s + 15,
+        start_limit_interval_s=interval,
+        run_as=runtime.user if lay.scope is Scope.SYSTEM else None,
+        wanted_by=lay.wanted_by,
     )
 
 
@@ -198,46 +202,37 @@ def render_proxy_unit(config: Config, lay: Layout) -> str:
     argv += ["--host", proxy.host, "--port", str(proxy.port), "--num_workers", str(proxy.workers)]
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.proxy_url(config)]
     post += ["--engine", "litellm", "--pid", MAINPID]
-    return (
-        _environment()
-        .get_template("litellm.service.j2")
-        .render(
-            config_path=lay.config,
-            proxy=proxy,
-            system_scope=lay.scope is Scope.SYSTEM,
-            key_file=str(lay.key_file),
-            exec_start=argv,
-            exec_start_post=post,
-            wanted_by=lay.wanted_by,
-        )
+    return _render(
+        "litellm.service.j2",
+        lay,
+        proxy=proxy,
+        system_scope=lay.scope is Scope.SYSTEM,
+        key_file=str(lay.key_file),
+        exec_start=argv,
+        exec_start_post=post,
+        wanted_by=lay.wanted_by,
     )
 
 
 def render_monitor_unit(config: Config, lay: Layout) -> str:
     argv = [config.b70ctl] + (["--user"] if lay.scope is Scope.USER else [])
     argv += ["--config", str(lay.config), "monitor"]
-    return (
-        _environment()
-        .get_template("monitor.service.j2")
-        .render(
-            config_path=lay.config,
-            monitor=config.monitor,
-            proxy_unit=PROXY_UNIT,
-            exec_start=argv,
-            wanted_by=lay.wanted_by,
-        )
+    return _render(
+        "monitor.service.j2",
+        lay,
+        monitor=config.monitor,
+        proxy_unit=PROXY_UNIT,
+        exec_start=argv,
+        wanted_by=lay.wanted_by,
     )
 
 
 def render_proxy_config(config: Config, lay: Layout) -> str:
-    return (
-        _environment()
-        .get_template("litellm.yaml.j2")
-        .render(
-            config_path=lay.config,
-            proxy=config.proxy,
-            backend_url=runtimes.backend_url(config),
-        )
+    return _render(
+        "litellm.yaml.j2",
+        lay,
+        proxy=config.proxy,
+        backend_url=runtimes.backend_url(config),
     )
 
 

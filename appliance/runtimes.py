@@ -22,6 +22,11 @@ def engine_argv(config: Config, runtime: RuntimeConfig) -> list[str]:
     return argv + list(runtime.args)
 
 
+def container_cli(config: Config, runtime: RuntimeConfig) -> str:
+    """The docker or podman executable of a container runtime."""
+    return config.docker if runtime.launcher is Launcher.DOCKER else config.podman
+
+
 def container_name(runtime: RuntimeConfig) -> str:
     return f"b70-{runtime.name}"
 
@@ -30,7 +35,7 @@ def exec_start(config: Config, runtime: RuntimeConfig) -> list[str]:
     """The full ExecStart= argv of a runtime unit."""
     if runtime.launcher is Launcher.NATIVE:
         return list(runtime.command) + engine_argv(config, runtime)
-    engine_bin = config.docker if runtime.launcher is Launcher.DOCKER else config.podman
+    engine_bin = container_cli(config, runtime)
     argv = [engine_bin, "run", "--rm", "--name", container_name(runtime), "--network", "host"]
     argv += ["--stop-timeout", str(int(runtime.stop_timeout_s))]
     for device in runtime.devices:
@@ -49,7 +54,7 @@ def exec_stop_post(config: Config, runtime: RuntimeConfig) -> list[list[str]]:
     """Cleanup that runs after every stop, failed starts included."""
     if runtime.launcher is Launcher.NATIVE:
         return []
-    engine_bin = config.docker if runtime.launcher is Launcher.DOCKER else config.podman
+    engine_bin = container_cli(config, runtime)
     # A killed client leaves the container running with its VRAM: remove it by name.
     return [[engine_bin, "rm", "--force", container_name(runtime)]]
 
@@ -57,7 +62,7 @@ def exec_stop_post(config: Config, runtime: RuntimeConfig) -> list[list[str]]:
 def exec_stop(config: Config, runtime: RuntimeConfig) -> list[list[str]]:
     if runtime.launcher is Launcher.NATIVE:
         return []
-    engine_bin = config.docker if runtime.launcher is Launcher.DOCKER else config.podman
+    engine_bin = container_cli(config, runtime)
     timeout = str(int(runtime.stop_timeout_s))
     return [[engine_bin, "stop", "--time", timeout, container_name(runtime)]]
 

@@ -157,7 +157,7 @@ def container_pids(config: Config) -> set[int]:
     pids: set[int] = set()
     for rt in config.runtimes.values():
         if rt.launcher is not Launcher.NATIVE:
-            cli = config.docker if rt.launcher is Launcher.DOCKER else config.podman
+            cli = runtimes.container_cli(config, rt)
             pid = health.container_pid(cli, runtimes.container_name(rt))
             if pid:
                 pids |= health.process_tree(pid)
@@ -204,7 +204,7 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
                     f"{where}.{key}: {path} does not exist", "download it or fix the path"
                 )
     else:
-        cli = config.docker if rt.launcher is Launcher.DOCKER else config.podman
+        cli = runtimes.container_cli(config, rt)
         try:
             out = subprocess.run(
                 [cli, "image", "inspect", rt.image or ""],
