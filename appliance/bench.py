@@ -20,7 +20,8 @@ from typing import Any
 
 import httpx
 
-RUNNING_METRICS = ("vllm:num_requests_running", "llamacpp:requests_processing")
+from appliance.runtimes import RUNNING_METRICS, metric_sum
+
 SAMPLE_EVERY_S = 0.5  # often enough to prove concurrency, rarely enough not to load the server
 
 
@@ -53,21 +54,6 @@ class RequestResult:
         if self.ttft_s is None or self.latency_s is None or self.output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
-
-
-def metric_sum(metrics_text: str, names: tuple[str, ...]) -> float | None:
-    """The sum of every sample of the named metrics in Prometheus text; None if there is none."""
-    total, found = 0.0, False
-    for line in metrics_text.splitlines():
-        if line.startswith("#"):
-            continue
-        if line.split("{", 1)[0].split(" ", 1)[0] in names:
-            try:
-                total += float(line.rsplit(" ", 1)[1])
-                found = True
-            except (IndexError, ValueError):
-                continue
-    return total if found else None
 
 
 def parse_running(metrics_text: str) -> int | None:

@@ -191,9 +191,17 @@ def uninstall(ctx: Context, purge: bool) -> None:
 @click.argument("name")
 @click.option("--restart", is_flag=True, help="Restart NAME even if it is already serving.")
 @click.option("--gate", is_flag=True, help="Run the validity gates before the switch counts.")
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    help="Seconds to wait for the old runtime's requests to finish (default: [proxy] drain_s).",
+)
 @with_json
-def switch(ctx: Context, name: str, restart: bool, gate: bool) -> None:
+def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: float | None) -> None:
     """Make runtime NAME the one serving, or roll back to the previous one and fail.
+
+    New requests wait at the proxy while the old runtime finishes what it has in flight, stops,
+    and NAME starts; clients see a slower answer, not an error.
 
     \b
     Example:
@@ -202,7 +210,9 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool) -> None:
     from appliance import switching
 
     progress = output.progress if sys.stderr.isatty() or not ctx.json else switching.no_progress
-    result = switching.switch(ctx.config(), ctx.scope, name, restart, progress, gate)
+    result = switching.switch(
+        ctx.config(), ctx.scope, name, restart, progress, gate, drain_s=drain_timeout
+    )
     data = dataclasses.asdict(result)
     data.pop("journal")
     if ctx.json:

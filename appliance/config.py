@@ -43,7 +43,9 @@ RESERVED_FLAGS: dict[Engine, frozenset[str]] = {
     Engine.LLAMACPP: frozenset(
         {"--host", "--port", "--model", "-m", "--alias", "-a", "--mmproj", "--metrics"}
     ),
-    Engine.VLLM: frozenset({"--host", "--port", "--model", "--served-model-name"}),
+    Engine.VLLM: frozenset(
+        {"--host", "--port", "--model", "--served-model-name", "--shutdown-timeout"}
+    ),
 }
 DEFAULT_COMMAND: dict[Engine, tuple[str, ...]] = {
     Engine.LLAMACPP: ("llama-server",),
@@ -58,7 +60,8 @@ class ProxyConfig:
     port: int = 8000
     model: str = "b70"
     aliases: tuple[str, ...] = ()
-    hold_s: float = 300.0
+    hold_s: float = 300.0  # how long a request waits at the proxy during a switch
+    drain_s: float = 60.0  # how long a switch waits for the old runtime's requests to finish
     workers: int = 1
     litellm: str | None = None  # the litellm executable; default: beside b70ctl
 
@@ -292,7 +295,8 @@ class _Reader:
 
     def proxy(self, t: Mapping[str, Any]) -> ProxyConfig:
         p = "proxy."
-        self.known(t, p, {"host", "port", "model", "aliases", "hold_s", "workers", "litellm"})
+        allowed = {"host", "port", "model", "aliases", "hold_s", "drain_s", "workers", "litellm"}
+        self.known(t, p, allowed)
         model = self.get(t, "model", p, str, "b70", _model_name)
         aliases = self.strings(t, "aliases", p)
         for alias in aliases:
@@ -305,6 +309,7 @@ class _Reader:
             model=model,
             aliases=aliases,
             hold_s=self.get(t, "hold_s", p, float, 300.0, _positive),
+            drain_s=self.get(t, "drain_s", p, float, 60.0, _non_negative),
             workers=self.get(t, "workers", p, int, 1, lambda v: None if 1 <= v <= 64 else "1-64"),
             litellm=litellm,
         )

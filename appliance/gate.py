@@ -168,9 +168,10 @@ def run_gate(
     state_dir: Path,
     k: int = 4,
     record: bool = False,
+    headers: dict[str, str] | None = None,
 ) -> GateResult:
     result = GateResult(runtime)
-    headers = {"Authorization": f"Bearer {api_key}"}
+    headers = {"Authorization": f"Bearer {api_key}", **(headers or {})}
     with httpx.Client(base_url=base_url, headers=headers, timeout=120) as client:
         result.checks.append(check_json_mode(client, model, k))
         result.checks.append(

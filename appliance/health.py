@@ -31,6 +31,17 @@ def probe(url: str, timeout_s: float = 2.0) -> Probe:
     return Probe(False, f"HTTP {response.status_code}")
 
 
+def read_in_flight(base_url: str, timeout_s: float = 2.0) -> int | None:
+    """Requests a runtime is running or queueing, from its /metrics; None if it cannot say."""
+    from appliance.runtimes import METRICS_PATH, parse_in_flight
+
+    try:
+        response = httpx.get(base_url + METRICS_PATH, timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return parse_in_flight(response.text) if response.status_code == 200 else None
+
+
 def health_url(base_url: str, engine: str) -> str:
     return base_url + (PROXY_HEALTH_PATH if engine == "litellm" else "/health")
 
@@ -107,7 +118,13 @@ def pid_alive(pid: int) -> bool:
 
 
 def chat_completion(
-    base_url: str, api_key: str, model: str, prompt: str, max_tokens: int = 8, timeout_s: float = 60
+    base_url: str,
+    api_key: str,
+    model: str,
+    prompt: str,
+    max_tokens: int = 8,
+    timeout_s: float = 60,
+    headers: dict[str, str] | None = None,
 ) -> str:
     """One greedy completion; returns the text or raises ApplianceError with what went wrong."""
     body = {
@@ -116,10 +133,12 @@ def chat_completion(
         "max_tokens": max_tokens,
         "temperature": 0,
     }
-    headers = {"Authorization": f"Bearer {api_key}"}
     try:
         response = httpx.post(
-            base_url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout_s
+            base_url + "/v1/chat/completions",
+            json=body,
+            headers={"Authorization": f"Bearer {api_key}", **(headers or {})},
+            timeout=timeout_s,
         )
     except httpx.HTTPError as e:
         raise ApplianceError(

@@ -27,13 +27,13 @@ from typing import Any
 
 import httpx
 
-from appliance import bench, gpu, health, runtimes, state, systemd
+from appliance import gpu, health, runtimes, state, systemd
+from appliance import hold as hold_mark
 from appliance.config import Config, Scope
 from appliance.render import PROXY_UNIT, layout, write_atomic
 
 STATE_FILE = "monitor.json"
 FAILOVER_BACKOFF_S = 60
-WAITING_METRICS = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
 
 
 @dataclass
@@ -117,6 +117,11 @@ def _failover(m: Memory, o: Observation, fallback: str | None, why: str) -> Acti
 
 
 def switching(state_dir: Path) -> bool:
+    """A switch holds the lock (preflight) or the hold mark (drain, start, verify)."""
+    return hold_mark.read_mark(state_dir) is not None or _lock_held(state_dir)
+
+
+def _lock_held(state_dir: Path) -> bool:
     try:
         fd = os.open(state_dir / state.LOCK_FILE, os.O_RDONLY)
     except FileNotFoundError:
@@ -150,13 +155,7 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation
         healthy, detail = probe.healthy, f"/health: {probe.detail}"
         if healthy and mon.probe_completion:
             healthy, detail = _probe_completion(url, config.proxy.model, mon.probe_timeout_s)
-        try:
-            text = httpx.get(url + "/metrics", timeout=mon.health_timeout_s).text
-            running = bench.parse_running(text)
-            waiting = bench.metric_sum(text, WAITING_METRICS)
-            in_flight = None if running is None else running + int(waiting or 0)
-        except httpx.HTTPError:
-            pass
+        in_flight = health.read_in_flight(url, timeout_s=mon.health_timeout_s)
     return Observation(
         now, runtime, unit_state, sub_state, pid, healthy, detail, switching(state_dir), in_flight
     )

@@ -2,10 +2,59 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 
 HEALTH_PATH = "/health"  # both engines: 200 only once the model is loaded
 METRICS_PATH = "/metrics"
+# Requests a runtime is working on, and requests it has accepted but not started, by engine.
+RUNNING_METRICS = ("vllm:num_requests_running", "llamacpp:requests_processing")
+WAITING_METRICS = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
+
+
+def metric_sum(metrics_text: str, names: tuple[str, ...]) -> float | None:
+    """The sum of every sample of the named metrics in Prometheus text; None if there is none."""
+    total, found = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        if line.split("{", 1)[0].split(" ", 1)[0] in names:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+            except (IndexError, ValueError):
+                continue
+    return total if found else None
+
+
+def parse_in_flight(metrics_text: str) -> int | None:
+    """Requests a runtime is running or has queued, from its Prometheus text; None if unknown."""
+    running = metric_sum(metrics_text, RUNNING_METRICS)
+    if running is None:
+        return None
+    return int(running + (metric_sum(metrics_text, WAITING_METRICS) or 0))
+
+
+@dataclass(frozen=True)
+class StopTimeouts:
+    """How long a stop may take, innermost first; each layer waits longer than the one inside.
+
+    engine_s: in-flight requests may finish (vLLM's --shutdown-timeout; SIGTERM's grace).
+    container_s: `docker stop --time` / `--stop-timeout`, then the engine is killed.
+    unit_s: systemd's TimeoutStopSec=, then systemd kills what is left.
+    """
+
+    engine_s: int
+    container_s: int | None
+    unit_s: int
+
+
+def stop_timeouts(runtime: RuntimeConfig) -> StopTimeouts:
+    engine = math.ceil(runtime.stop_timeout_s)
+    container = None if runtime.launcher is Launcher.NATIVE else engine + 10
+    return StopTimeouts(engine, container, (container or engine) + 15)
 
 
 def engine_argv(config: Config, runtime: RuntimeConfig) -> list[str]:
@@ -19,6 +68,7 @@ def engine_argv(config: Config, runtime: RuntimeConfig) -> list[str]:
     else:
         argv = ["--model", runtime.model, "--served-model-name", config.proxy.model]
         argv += ["--host", host, "--port", port]
+        argv += ["--shutdown-timeout", str(stop_timeouts(runtime).engine_s)]
     return argv + list(runtime.args)
 
 
@@ -37,7 +87,7 @@ def exec_start(config: Config, runtime: RuntimeConfig) -> list[str]:
         return list(runtime.command) + engine_argv(config, runtime)
     engine_bin = container_cli(config, runtime)
     argv = [engine_bin, "run", "--rm", "--name", container_name(runtime), "--network", "host"]
-    argv += ["--stop-timeout", str(int(runtime.stop_timeout_s))]
+    argv += ["--stop-timeout", str(stop_timeouts(runtime).container_s)]
     for device in runtime.devices:
         argv += ["--device", device]
     if runtime.shm_size:
@@ -63,7 +113,7 @@ def exec_stop(config: Config, runtime: RuntimeConfig) -> list[list[str]]:
     if runtime.launcher is Launcher.NATIVE:
         return []
     engine_bin = container_cli(config, runtime)
-    timeout = str(int(runtime.stop_timeout_s))
+    timeout = str(stop_timeouts(runtime).container_s)
     return [[engine_bin, "stop", "--time", timeout, container_name(runtime)]]
 
 

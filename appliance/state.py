@@ -16,6 +16,7 @@ from appliance.errors import ApplianceError
 from appliance.render import Layout, write_atomic
 
 LOCK_FILE = "switch.lock"
+LOCK_TRIES = 20
 LAST_SWITCH = "last-switch.json"
 HISTORY = "switches.jsonl"
 
@@ -26,10 +27,18 @@ def switch_lock(state_dir: Path, target: str) -> Iterator[None]:
     state_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
+        holder = None
+        for attempt in range(LOCK_TRIES):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # The monitor tests the lock with a brief shared lock, which leaves no details.
+                if os.pread(fd, 1, 0) or attempt == LOCK_TRIES - 1:
+                    holder = _read_holder(fd)
+                    break
+                time.sleep(0.05)
+        if holder is not None:
             raise ApplianceError(
                 f"another switch is running: {holder}",
                 hint="wait for it to finish; `b70ctl status` shows the result",

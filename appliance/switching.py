@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance import gpu, health, memgate, runtimes, state, systemd
+from appliance import hold as hold_mark
 from appliance.config import Config, Engine, Launcher, RuntimeConfig, Scope
 from appliance.errors import ApplianceError
 from appliance.render import (
@@ -24,6 +25,10 @@ from appliance.state import read_key
 
 Progress = Callable[[str, str], None]
 POLL_S = 0.1
+DRAIN_POLL_S = 0.2
+# A request the proxy let through just before the hold was marked reaches the runtime a few
+# milliseconds later: the drain counts only after this, and only two empty readings in a row.
+DRAIN_SETTLE_S = 0.3
 VERIFY_PROMPT = "Reply with one word: ready"
 
 
@@ -249,14 +254,20 @@ class SwitchResult:
         }
 
 
-def verify_through_proxy(config: Config, lay: Layout, timeout_s: float = 60) -> str:
-    """A real completion on the proxy port; retried briefly while the proxy reconnects."""
+def verify_through_proxy(
+    config: Config, lay: Layout, token: str | None = None, timeout_s: float = 60
+) -> str:
+    """A real completion on the proxy port; retried briefly while the proxy reconnects.
+
+    `token` is the hold mark's: the switch's own request passes the hold it set.
+    """
     key = read_key(lay)
+    headers = {hold_mark.BYPASS_HEADER: token} if token else {}
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             return health.chat_completion(
-                runtimes.proxy_url(config), key, config.proxy.model, VERIFY_PROMPT
+                runtimes.proxy_url(config), key, config.proxy.model, VERIFY_PROMPT, headers=headers
             )
         except ApplianceError:
             if time.monotonic() > deadline:
@@ -265,18 +276,23 @@ def verify_through_proxy(config: Config, lay: Layout, timeout_s: float = 60) -> 
 
 
 def start_runtime(
-    config: Config, lay: Layout, sd: systemd.Systemd, rt: RuntimeConfig, progress: Progress
+    config: Config,
+    lay: Layout,
+    sd: systemd.Systemd,
+    rt: RuntimeConfig,
+    progress: Progress,
+    token: str | None = None,
 ) -> tuple[dict[str, float], str]:
     """One StartUnit: Conflicts= stops the old runtime in the same transaction. Then verify."""
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     if sd.state(rt.unit).sub_state == "auto-restart":  # a crash loop: end it, then start afresh
         sd.stop(rt.unit)
-        wait_stopped(sd, rt.unit, rt.stop_timeout_s * 2 + 30)
+        wait_stopped(sd, rt.unit, runtimes.stop_timeouts(rt).unit_s + 30)
     sd.reset_failed(rt.unit)  # a manual switch is not a crash loop: clear the start limit
     sd.start(rt.unit)
     others = [o for o in config.runtimes.values() if o.name != rt.name]
-    stop_budget = sum(o.stop_timeout_s + 15 for o in others) * 2
+    stop_budget = sum(runtimes.stop_timeouts(o).unit_s for o in others) + 30
     for sub, seconds in wait_started(
         sd, rt.unit, rt.start_timeout_s + stop_budget, progress
     ).items():
@@ -284,10 +300,32 @@ def start_runtime(
     timings["unit"] = time.monotonic() - t0
     t1 = time.monotonic()
     progress("verifying", f"a completion through port {config.proxy.port}")
-    answer = verify_through_proxy(config, lay)
+    answer = verify_through_proxy(config, lay, token)
     timings["verified"] = time.monotonic() - t1
     progress("verified", f"{rt.name} answers through port {config.proxy.port}")
     return timings, answer
+
+
+def drain(config: Config, timeout_s: float, progress: Progress) -> tuple[float, int | None]:
+    """Wait until the serving runtime has no request running or queued, up to `timeout_s`.
+
+    Returns the seconds waited and what was still in flight at the end: 0 when drained, more
+    when the time ran out, None when the runtime's metrics could not be read.
+    """
+    t0 = time.monotonic()
+    time.sleep(DRAIN_SETTLE_S)
+    url, empty, shown = runtimes.backend_url(config), 0, None
+    while True:
+        n = health.read_in_flight(url)
+        if n is None or (n == 0 and empty >= 1):
+            return time.monotonic() - t0, n
+        empty = empty + 1 if n == 0 else 0
+        if n and n != shown:
+            progress("draining", f"{n} request{'s' if n > 1 else ''} in flight")
+            shown = n
+        if n and time.monotonic() - t0 >= timeout_s:
+            return time.monotonic() - t0, n
+        time.sleep(DRAIN_POLL_S)
 
 
 def switch(
@@ -297,7 +335,14 @@ def switch(
     restart: bool = False,
     progress: Progress = no_progress,
     gate: bool = False,
+    drain_s: float | None = None,
 ) -> SwitchResult:
+    """The switch of DESIGN.md, numbered as there:
+
+    1. lock; 2. preflight; 3. hold new requests at the proxy; 4. drain the old runtime;
+    5. one StartUnit (Conflicts= stops the old one); 6. verify through the proxy (and gate);
+    7. release the hold, enable the target, record. A failure in 5 or 6 rolls back, still held.
+    """
     lay = layout(scope)
     target = config.runtime(target_name)
     t0 = time.monotonic()
@@ -311,29 +356,43 @@ def switch(
             return SwitchResult(
                 target_name, previous, True, time.monotonic() - t0, phases, notes, answer
             )
-        if previous == target_name:
-            progress("stopping", target.unit)
-            sd.stop(target.unit)
-            wait_stopped(sd, target.unit, target.stop_timeout_s * 2 + 30)
-        try:
-            timings, answer = start_runtime(config, lay, sd, target, progress)
-            if gate:
-                t_gate = time.monotonic()
-                progress("gating", "JSON mode and canaries")
-                run_gate(config, lay, target_name)
-                timings["gated"] = time.monotonic() - t_gate
-        except ApplianceError as failure:
-            result = _roll_back(config, lay, sd, target, previous, failure, progress)
-            result.phases = phases
-            result.seconds = time.monotonic() - t0
-            result.notes = notes
-            state.record_switch(lay.state_dir, result.record())
-            raise ApplianceError(
-                result.error or failure.message,
-                hint=f"journal: {' '.join(systemd.journal_command(scope, target.unit, 50))}",
-                code="switch_failed",
-                details={"switch": result.record(), "journal": result.journal},
-            ) from failure
+        with hold_mark.marked(lay.state_dir, target_name) as mark:
+            progress("holding", f"new requests wait at port {config.proxy.port}")
+            if previous is not None:
+                timeout = config.proxy.drain_s if drain_s is None else drain_s
+                phases["drained"], left = drain(config, timeout, progress)
+                if left:
+                    notes.append(
+                        f"drain: {left} request(s) still in flight after {timeout:g} s; "
+                        f"{previous} was given its stop timeout to finish them"
+                    )
+                elif left is None:
+                    notes.append(f"drain: {previous} did not report its requests in flight")
+            if previous == target_name:
+                progress("stopping", target.unit)
+                sd.stop(target.unit)
+                wait_stopped(sd, target.unit, runtimes.stop_timeouts(target).unit_s + 30)
+            try:
+                timings, answer = start_runtime(config, lay, sd, target, progress, mark.token)
+                if gate:
+                    t_gate = time.monotonic()
+                    progress("gating", "JSON mode and canaries")
+                    run_gate(config, lay, target_name, token=mark.token)
+                    timings["gated"] = time.monotonic() - t_gate
+            except ApplianceError as failure:
+                result = _roll_back(
+                    config, lay, sd, target, previous, failure, progress, mark.token
+                )
+                result.phases = phases
+                result.seconds = time.monotonic() - t0
+                result.notes = notes
+                state.record_switch(lay.state_dir, result.record())
+                raise ApplianceError(
+                    result.error or failure.message,
+                    hint=f"journal: {' '.join(systemd.journal_command(scope, target.unit, 50))}",
+                    code="switch_failed",
+                    details={"switch": result.record(), "journal": result.journal},
+                ) from failure
         phases.update(timings)
         sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != target_name])
         sd.enable([target.unit])
@@ -344,7 +403,9 @@ def switch(
         return result
 
 
-def run_gate(config: Config, lay: Layout, runtime: str, record: bool = False) -> Any:
+def run_gate(
+    config: Config, lay: Layout, runtime: str, record: bool = False, token: str | None = None
+) -> Any:
     """The validity gates through the proxy; raises ApplianceError naming what failed."""
     from appliance.gate import run_gate as gate_checks
 
@@ -355,6 +416,7 @@ def run_gate(config: Config, lay: Layout, runtime: str, record: bool = False) ->
         runtime,
         lay.state_dir,
         record=record,
+        headers={hold_mark.BYPASS_HEADER: token} if token else None,
     )
     if not result.ok:
         raise ApplianceError(
@@ -374,6 +436,7 @@ def _roll_back(
     previous: str | None,
     failure: ApplianceError,
     progress: Progress,
+    token: str,
 ) -> SwitchResult:
     journal = systemd.journal_excerpt(lay.scope, target.unit)
     reason = f"switch to {target.name} failed: {failure.message}"
@@ -387,7 +450,7 @@ def _roll_back(
         return result
     progress("rolling back", f"starting {previous} again")
     try:
-        start_runtime(config, lay, sd, config.runtime(previous), progress)
+        start_runtime(config, lay, sd, config.runtime(previous), progress, token)
     except ApplianceError as second:
         result.error = reason + f"\n  rolling back to {previous} failed as well: {second.message}"
         return result

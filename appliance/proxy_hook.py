@@ -1,0 +1,197 @@
+"""The LiteLLM side of the appliance: the request hold and the API-key check.
+
+Loaded by the proxy through the rendered litellm.yaml:
+    litellm_settings: callbacks: ["appliance.proxy_hook.hold"]
+    general_settings: custom_auth: appliance.proxy_hook.authenticate
+
+The proxy unit tells this module where things are through its environment:
+    B70_STATE_DIR    where `b70ctl switch` writes its hold mark (appliance.hold)
+    B70_BACKEND_URL  the runtimes' shared address, whose /health is probed
+    B70_HOLD_S       how long a request may wait before it is answered 503
+
+A request waits while a switch is marked or while the backend is not healthy, and goes through
+as soon as neither is true. A backend that is slow to answer /health is busy, not down: only a
+refused connection or a non-200 answer holds requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import HTTPException, Request
+from litellm.integrations.custom_logger import CustomLogger
+from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
+
+from appliance import hold as hold_mark
+
+POLL_S = 0.2
+HEALTH_TTL_S = 1.0  # a healthy answer is trusted this long before /health is asked again
+HEALTH_TIMEOUT_S = 2.0
+
+
+class HoldTimeout(Exception):
+    def __init__(self, why: str, waited_s: float, retry_after_s: int) -> None:
+        super().__init__(why)
+        self.why = why
+        self.waited_s = waited_s
+        self.retry_after_s = retry_after_s
+
+
+Probe = Callable[[], Awaitable[bool]]
+
+
+class Gate:
+    """Decides whether a request may go on; waits until it may, or until the hold time is up."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        probe: Probe,
+        hold_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.state_dir = state_dir
+        self.probe = probe
+        self.hold_s = hold_s
+        self.clock = clock
+        self.sleep = sleep
+        self.healthy_until = -math.inf
+        self.counts = hold_mark.HeldCounts()
+        self.counts_written = False
+
+    async def blocked(self, token: str | None) -> str | None:
+        """Why a request must wait now, or None."""
+        mark = hold_mark.read_mark(self.state_dir)
+        if mark is not None and not (token and hmac.compare_digest(token, mark.token)):
+            return f"switching to {mark.target}"
+        if mark is not None or self.clock() < self.healthy_until:
+            return None
+        if await self.probe():
+            self.healthy_until = self.clock() + HEALTH_TTL_S
+            return None
+        return "the backend is not healthy"
+
+    async def wait(self, token: str | None = None) -> float:
+        """Seconds waited; raises HoldTimeout when the hold time runs out."""
+        why = await self.blocked(token)
+        if why is None:
+            return 0.0
+        start = self.clock()
+        self._count(now=+1, total=+1)
+        try:
+            while why is not None:
+                waited = self.clock() - start
+                if waited >= self.hold_s:
+                    self._count(timed_out=+1)
+                    raise HoldTimeout(why, waited, retry_after_s=max(1, round(self.hold_s / 4)))
+                await self.sleep(min(POLL_S, self.hold_s - waited))
+                why = await self.blocked(token)
+            return self.clock() - start
+        finally:
+            self._count(now=-1)
+
+    def _count(self, now: int = 0, total: int = 0, timed_out: int = 0) -> None:
+        self.counts.now += now
+        self.counts.total += total
+        self.counts.timed_out += timed_out
+        try:
+            hold_mark.write_counts(self.state_dir, self.counts, first=not self.counts_written)
+            self.counts_written = True
+        except OSError:
+            pass  # the counts are for the monitor; a request never fails because of them
+
+
+def health_probe(backend_url: str) -> Probe:
+    client: httpx.AsyncClient | None = None
+
+    async def probe() -> bool:
+        nonlocal client
+        if client is None:  # created inside the proxy's event loop
+            client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+        try:
+            response = await client.get(backend_url + "/health")
+        except httpx.TimeoutException:
+            return True  # alive and busy
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    return probe
+
+
+def _request_headers(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    request = data.get("proxy_server_request") or {}
+    headers = request.get("headers") if isinstance(request, dict) else None
+    return headers if isinstance(headers, dict) else {}
+
+
+class HoldHook(CustomLogger):
+    def __init__(self, gate: Gate | None = None) -> None:
+        super().__init__()
+        self._gate = gate
+
+    @property
+    def gate(self) -> Gate:
+        if self._gate is None:
+            env = os.environ
+            self._gate = Gate(
+                Path(env["B70_STATE_DIR"]),
+                health_probe(env["B70_BACKEND_URL"]),
+                float(env.get("B70_HOLD_S", "300")),
+            )
+        return self._gate
+
+    async def async_pre_call_hook(
+        self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
+    ) -> dict[str, Any]:
+        headers = _request_headers(data)
+        token = headers.get(hold_mark.BYPASS_HEADER)
+        try:
+            await self.gate.wait(token if isinstance(token, str) else None)
+        except HoldTimeout as e:
+            raise HTTPException(
+                status_code=503,
+                detail={
+                    "error": {
+                        "message": f"the model is not available: {e.why}; this request "
+                        f"waited {e.waited_s:.0f} s. Retry after {e.retry_after_s} s.",
+                        "type": "service_unavailable",
+                        "code": "b70_hold_timeout",
+                    }
+                },
+                headers={"Retry-After": str(e.retry_after_s)},
+            ) from None
+        return data
+
+
+hold = HoldHook()
+
+
+# --- the API key --------------------------------------------------------------------------------
+
+
+def _unauthorized(message: str) -> HTTPException:
+    return HTTPException(status_code=401, detail=message)
+
+
+async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:
+    """Accept exactly the appliance's key; anything else is a 401 that says what is wrong."""
+    expected = os.environ.get("LITELLM_MASTER_KEY", "")
+    given = api_key.removeprefix("Bearer ").strip() if api_key else ""
+    if not given:
+        raise _unauthorized(
+            "no API key: send the appliance's key as 'Authorization: Bearer KEY' "
+            "(it is LITELLM_MASTER_KEY in the appliance's proxy.env)"
+        )
+    if not expected or not hmac.compare_digest(given.encode(), expected.encode()):
+        raise _unauthorized("the API key is not the appliance's key")
+    return UserAPIKeyAuth(api_key=given, user_role=LitellmUserRoles.PROXY_ADMIN)
