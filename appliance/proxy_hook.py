@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 from fastapi import HTTPException, Request
 from litellm.integrations.custom_logger import CustomLogger
-from litellm.proxy._types import LitellmUserRoles, UserAPIKeyAuth
+from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
 from appliance import hold as hold_mark
 
@@ -92,7 +92,9 @@ class Gate:
                 waited = self.clock() - start
                 if waited >= self.hold_s:
                     self._count(timed_out=+1)
-                    raise HoldTimeout(why, waited, retry_after_s=max(1, round(self.hold_s / 4)))
+                    raise HoldTimeout(
+                        why, waited, retry_after_s=max(1, round(min(self.hold_s / 4, 30)))
+                    )
                 await self.sleep(min(POLL_S, self.hold_s - waited))
                 why = await self.blocked(token)
             return self.clock() - start
@@ -158,17 +160,16 @@ class HoldHook(CustomLogger):
         try:
             await self.gate.wait(token if isinstance(token, str) else None)
         except HoldTimeout as e:
-            raise HTTPException(
-                status_code=503,
-                detail={
-                    "error": {
-                        "message": f"the model is not available: {e.why}; this request "
-                        f"waited {e.waited_s:.0f} s. Retry after {e.retry_after_s} s.",
-                        "type": "service_unavailable",
-                        "code": "b70_hold_timeout",
-                    }
-                },
+            # LiteLLM's own error type: every route (chat, completions, streaming or not) keeps
+            # its status, headers and message as they are.
+            raise ProxyException(
+                message=f"the model is not available: {e.why}; this request waited "
+                f"{e.waited_s:.0f} s. Retry after {e.retry_after_s} s.",
+                type="service_unavailable",
+                param=None,
+                code=503,
                 headers={"Retry-After": str(e.retry_after_s)},
+                openai_code="b70_hold_timeout",
             ) from None
         return data
 

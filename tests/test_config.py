@@ -32,6 +32,18 @@ model = "/models/hf"
 
 # (name, config text, text the error must contain: the dotted key and what is wrong)
 BAD = [
+    (
+        "vllm shutdown timeout in args",
+        GOOD.replace(
+            'model = "/models/hf"', 'model = "/models/hf"\nargs = ["--shutdown-timeout=5"]'
+        ),
+        "runtimes.vllm.args: sets --shutdown-timeout, which the appliance sets itself",
+    ),
+    (
+        "negative drain",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\ndrain_s = -1'),
+        "proxy.drain_s: -1.0 must not be negative",
+    ),
     ("toml syntax", "default_runtime = ", "not valid TOML"),
     ("unknown top key", GOOD + "\nmodel_dir = '/x'\n", "model_dir: unknown key"),
     (

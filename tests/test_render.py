@@ -184,3 +184,36 @@ def test_the_run_as_unit_is_less_exposed(tmp_path: Path) -> None:
     files["b70-llamacpp-as-root.service"] = as_root + "\n"
     root = verify_root(tmp_path, files)
     assert exposure(root, "b70-llamacpp.service") < exposure(root, "b70-llamacpp-as-root.service")
+
+
+def unit_value(text: str, key: str) -> str:
+    values = [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(key + "=")]
+    assert len(values) == 1, (key, values)
+    return values[0]
+
+
+def flag_value(argv: str, flag: str) -> int:
+    words = argv.split()
+    return int(words[words.index(flag) + 1])
+
+
+@pytest.mark.parametrize("launcher", ["native", "docker", "podman"])
+def test_stop_timeouts_nest_unit_over_container_over_vllm(launcher: str) -> None:
+    """vLLM finishes its requests within --shutdown-timeout; docker waits longer before it kills
+    vLLM; systemd waits longer still before it kills docker's client and the container."""
+    text = B70.read_text().replace('launcher = "docker"', f'launcher = "{launcher}"')
+    if launcher == "native":
+        text = text.replace('image = "ghcr.io/riceharvest/b70-vllm:v0.31.0-b70.3"', "")
+    cfg = config.parse(text, B70)
+    unit = render_all(cfg, layout(Scope.SYSTEM))["b70-vllm.service"]
+    engine_s = flag_value(unit_value(unit, "ExecStart"), "--shutdown-timeout")
+    unit_s = int(unit_value(unit, "TimeoutStopSec").removesuffix("s"))
+    assert engine_s == int(cfg.runtimes["vllm"].stop_timeout_s)
+    if launcher == "native":
+        assert unit_s > engine_s
+        assert "ExecStop=" not in unit
+        return
+    run_s = flag_value(unit_value(unit, "ExecStart"), "--stop-timeout")
+    stop_s = flag_value(unit_value(unit, "ExecStop"), "--time")
+    assert run_s == stop_s
+    assert unit_s > stop_s > engine_s

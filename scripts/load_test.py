@@ -1,0 +1,310 @@
+"""Clients on the proxy port while the runtime is switched back and forth (scripts/load-test).
+
+N clients (the OpenAI Python SDK, no retries) send requests through the proxy without pause: a
+mix of streaming and non-streaming, chat completions and completions. First a steady phase with
+no switch, then M switches alternating between two runtimes, run by `b70ctl switch` as a user
+would. Every request is judged on its own:
+  succeeded  a complete answer: a finish_reason, and a stream that ended with it;
+  failed     an error before any answer (an HTTP error, a refused or dropped connection);
+  truncated  a stream that broke, or ended without a finish_reason, after it had started.
+Latency is the whole request (to the last chunk of a stream). A request counts as "during a
+switch" when its time overlaps a `b70ctl switch` run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+PROMPTS = (
+    "Name a colour of the sky.",
+    "Count from one to five.",
+    "Say something about the sea.",
+    "What is two plus two?",
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    proxy_url: str  # http://host:port
+    api_key: str
+    model: str
+    b70ctl: list[str]  # the command that runs b70ctl against this appliance
+
+
+@dataclass
+class Outcome:
+    kind: str  # chat, chat-stream, completion, completion-stream
+    start: float
+    end: float
+    status: str  # succeeded, failed, truncated
+    error: str | None = None
+    chunks: int = 0
+
+
+@dataclass
+class SwitchRun:
+    target: str
+    start: float
+    end: float
+    ok: bool
+    seconds: float | None
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    clients: int
+    steady_s: float
+    outcomes: list[Outcome] = field(default_factory=list)
+    switches: list[SwitchRun] = field(default_factory=list)
+
+    def during_switch(self, o: Outcome) -> bool:
+        return any(o.start < s.end and o.end > s.start for s in self.switches)
+
+    def summary(self) -> dict[str, Any]:
+        def group(items: list[Outcome]) -> dict[str, Any]:
+            latencies = sorted(o.end - o.start for o in items if o.status == "succeeded")
+            return {
+                "sent": len(items),
+                "succeeded": sum(o.status == "succeeded" for o in items),
+                "failed": sum(o.status == "failed" for o in items),
+                "truncated": sum(o.status == "truncated" for o in items),
+                "p50_s": _percentile(latencies, 0.50),
+                "p99_s": _percentile(latencies, 0.99),
+            }
+
+        during = [o for o in self.outcomes if self.during_switch(o)]
+        outside = [o for o in self.outcomes if not self.during_switch(o)]
+        errors: dict[str, int] = {}
+        for o in self.outcomes:
+            if o.error:
+                errors[o.error] = errors.get(o.error, 0) + 1
+        return {
+            "clients": self.clients,
+            "all": group(self.outcomes),
+            "during_switches": group(during),
+            "outside_switches": group(outside),
+            "steady_phase": group([o for o in outside if not self.switches or o.end < self.t0()]),
+            "switches": [asdict(s) for s in self.switches],
+            "switches_failed": sum(not s.ok for s in self.switches),
+            "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10]),
+        }
+
+    def t0(self) -> float:
+        return min(s.start for s in self.switches)
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return round(values[lo] + (values[hi] - values[lo]) * (k - lo), 3)
+
+
+async def one_request(client: Any, model: str, kind: str, prompt: str, max_tokens: int) -> Outcome:
+    import openai
+
+    start = time.monotonic()
+    outcome = Outcome(kind, start, start, "failed")
+    common: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+    try:
+        if kind.startswith("chat"):
+            messages = [{"role": "user", "content": prompt}]
+            if kind == "chat":
+                reply = await client.chat.completions.create(messages=messages, **common)
+                finished = reply.choices[0].finish_reason is not None
+            else:
+                stream = await client.chat.completions.create(
+                    messages=messages, stream=True, **common
+                )
+                finished = await _drain(stream, outcome)
+        else:
+            if kind == "completion":
+                reply = await client.completions.create(prompt=prompt, **common)
+                finished = reply.choices[0].finish_reason is not None
+            else:
+                stream = await client.completions.create(prompt=prompt, stream=True, **common)
+                finished = await _drain(stream, outcome)
+        outcome.status = "succeeded" if finished else "truncated"
+        if not finished:
+            outcome.error = "ended without a finish_reason"
+    except openai.APIStatusError as e:
+        outcome.error = f"HTTP {e.status_code}: {str(e.message)[:120]}"
+    except (openai.APIError, OSError) as e:
+        outcome.error = f"{type(e).__name__}: {str(e)[:120]}"
+    if outcome.error and outcome.chunks:
+        outcome.status = "truncated"
+    outcome.end = time.monotonic()
+    return outcome
+
+
+async def _drain(stream: Any, outcome: Outcome) -> bool:
+    finished = False
+    async for chunk in stream:
+        outcome.chunks += 1
+        if chunk.choices and chunk.choices[0].finish_reason is not None:
+            finished = True
+    return finished
+
+
+async def client_loop(
+    target: Target, index: int, stop: asyncio.Event, report: Report, max_tokens: int
+) -> None:
+    import openai
+
+    kinds = ("chat-stream", "chat", "completion-stream", "chat-stream", "completion", "chat")
+    async with openai.AsyncOpenAI(
+        base_url=target.proxy_url + "/v1", api_key=target.api_key, max_retries=0, timeout=900
+    ) as client:
+        n = index
+        while not stop.is_set():
+            kind, prompt = kinds[n % len(kinds)], PROMPTS[n % len(PROMPTS)]
+            report.outcomes.append(
+                await one_request(client, target.model, kind, prompt, max_tokens)
+            )
+            n += 1
+
+
+async def switch(target: Target, runtime: str) -> SwitchRun:
+    start = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *target.b70ctl,
+        "switch",
+        runtime,
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    end = time.monotonic()
+    try:
+        doc = json.loads(out)
+    except ValueError:
+        doc = {}
+    ok = proc.returncode == 0
+    seconds = (doc.get("result") or {}).get("seconds")
+    error = None if ok else ((doc.get("error") or {}).get("message") or err.decode()[-500:])
+    return SwitchRun(runtime, start, end, ok, seconds, error)
+
+
+async def run(
+    target: Target,
+    clients: int,
+    switches: int,
+    between: tuple[str, str],
+    steady_s: float,
+    max_tokens: int = 32,
+    pause_s: float = 2.0,
+    log: Any = None,
+) -> Report:
+    """Steady load for `steady_s`, then `switches` switches alternating over `between`."""
+    report = Report(clients, steady_s)
+    first = await switch(target, between[0])  # start from a known runtime
+    if not first.ok:
+        raise RuntimeError(f"could not switch to {between[0]} to begin: {first.error}")
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(client_loop(target, i, stop, report, max_tokens))
+        for i in range(clients)
+    ]
+    try:
+        await asyncio.sleep(steady_s)
+        for i in range(switches):
+            runtime = between[(i + 1) % 2]
+            run_ = await switch(target, runtime)
+            report.switches.append(run_)
+            if log:
+                state = "ok" if run_.ok else f"FAILED: {run_.error}"
+                log(
+                    f"switch {i + 1}/{switches} to {runtime}: {run_.end - run_.start:.1f} s {state}"
+                )
+            await asyncio.sleep(pause_s)  # the new runtime serves under load before the next
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+    return report
+
+
+def target_from_config(config_path: str | None, user: bool) -> Target:
+    from appliance import config as config_mod
+    from appliance import runtimes
+    from appliance.config import Scope
+    from appliance.render import layout
+    from appliance.state import read_key
+
+    scope = Scope.USER if user else Scope.SYSTEM
+    path = Path(config_path) if config_path else layout(scope).config
+    config = config_mod.load(path)
+    b70ctl = [config.b70ctl] + (["--user"] if user else []) + ["--config", str(path)]
+    return Target(runtimes.proxy_url(config), read_key(layout(scope)), config.proxy.model, b70ctl)
+
+
+def render_summary(s: dict[str, Any]) -> str:
+    lines = [
+        f"{s['clients']} clients, {len(s['switches'])} switches ({s['switches_failed']} failed)"
+    ]
+    lines.append(
+        f"{'':18}{'sent':>7}{'ok':>7}{'failed':>8}{'truncated':>11}{'p50 s':>9}{'p99 s':>9}"
+    )
+    for name in ("steady_phase", "outside_switches", "during_switches", "all"):
+        g = s[name]
+        p50 = "-" if g["p50_s"] is None else f"{g['p50_s']:.3f}"
+        p99 = "-" if g["p99_s"] is None else f"{g['p99_s']:.3f}"
+        lines.append(
+            f"{name.replace('_', ' '):18}{g['sent']:>7}{g['succeeded']:>7}{g['failed']:>8}"
+            f"{g['truncated']:>11}{p50:>9}{p99:>9}"
+        )
+    for sw in s["switches"]:
+        took = sw["end"] - sw["start"]
+        lines.append(f"  switch to {sw['target']}: {took:.1f} s" + ("" if sw["ok"] else " FAILED"))
+    for error, count in s["errors"].items():
+        lines.append(f"  {count} x {error}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--switches", type=int, default=4)
+    parser.add_argument("--between", nargs=2, default=["llamacpp", "vllm"], metavar="RUNTIME")
+    parser.add_argument("--steady-s", type=float, default=20.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--config", help="the appliance's config (default: the installed one)")
+    parser.add_argument("--user", action="store_true", help="the appliance of a user manager")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args()
+    target = target_from_config(args.config, args.user)
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    report = asyncio.run(
+        run(
+            target,
+            args.clients,
+            args.switches,
+            (args.between[0], args.between[1]),
+            args.steady_s,
+            args.max_tokens,
+            log=log,
+        )
+    )
+    summary = report.summary()
+    print(json.dumps(summary, indent=2) if args.json else render_summary(summary))
+    bad = summary["all"]["failed"] + summary["all"]["truncated"] + summary["switches_failed"]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The load test of scripts/load-test, small, on the real stack: clients on the proxy never see
+an error, neither under steady load nor while the runtime is switched back and forth."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+
+from tests.conftest import B70CTL, REPO, Appliance
+
+
+def load_test_module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("load_test", REPO / "scripts" / "load_test.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["load_test"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eight_clients_four_switches_no_failed_request_no_truncated_stream(
+    appliance: Appliance,
+) -> None:
+    lt = load_test_module()
+    target = lt.Target(
+        f"http://127.0.0.1:{appliance.proxy_port}",
+        appliance.key,
+        "smollm2",
+        [B70CTL, "--user", "--config", str(appliance.config)],
+    )
+    report = asyncio.run(
+        lt.run(target, clients=8, switches=4, between=("llamacpp", "vllm"), steady_s=20, log=print)
+    )
+    s = report.summary()
+    print(lt.render_summary(s))
+    assert s["switches_failed"] == 0, s["switches"]
+    assert s["all"]["failed"] == 0, s["errors"]
+    assert s["all"]["truncated"] == 0, s["errors"]
+    # The test proves something only if requests really overlapped the switches and ran before.
+    assert s["steady_phase"]["succeeded"] >= 8
+    assert s["during_switches"]["succeeded"] >= 8
+    assert [sw["target"] for sw in s["switches"]] == ["vllm", "llamacpp", "vllm", "llamacpp"]

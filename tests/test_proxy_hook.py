@@ -1,0 +1,188 @@
+"""The request hold and the key check of appliance.proxy_hook, on a real mark file and a clock
+that the test moves; the same hook runs inside the real proxy in tests/test_hold_real.py."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi import HTTPException
+from litellm.proxy._types import ProxyException
+
+from appliance import hold, proxy_hook
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        await asyncio.sleep(0)  # let the rest of the test run, as a real sleep would
+
+
+class Backend:
+    """A probe whose answer the test sets; it counts how often it was asked."""
+
+    def __init__(self, healthy: bool = True) -> None:
+        self.healthy = healthy
+        self.asked = 0
+
+    async def __call__(self) -> bool:
+        self.asked += 1
+        return self.healthy
+
+
+def gate(tmp_path: Path, backend: Backend, clock: Clock, hold_s: float = 10) -> proxy_hook.Gate:
+    return proxy_hook.Gate(tmp_path, backend, hold_s, clock=clock, sleep=clock.sleep)
+
+
+def test_a_healthy_backend_without_a_mark_lets_requests_through_at_once(tmp_path: Path) -> None:
+    clock, backend = Clock(), Backend()
+    g = gate(tmp_path, backend, clock)
+    assert asyncio.run(g.wait()) == 0.0
+    assert asyncio.run(g.wait()) == 0.0
+    assert backend.asked == 1, "a healthy answer is trusted for a while, not asked per request"
+    clock.now += proxy_hook.HEALTH_TTL_S + 0.01
+    asyncio.run(g.wait())
+    assert backend.asked == 2
+    assert clock.slept == []
+    assert hold.read_counts(tmp_path) == hold.HeldCounts(0, 0, 0)
+
+
+def test_a_mark_holds_requests_until_it_is_gone(tmp_path: Path) -> None:
+    clock, backend = Clock(), Backend()
+    g = gate(tmp_path, backend, clock)
+
+    async def scenario() -> float:
+        with hold.marked(tmp_path, "vllm"):
+            waiter = asyncio.create_task(g.wait())
+            for _ in range(5):
+                await asyncio.sleep(0)  # the hook polls; the clock moves only when it sleeps
+            assert not waiter.done()
+            assert hold.read_counts(tmp_path).now == 1
+        return await waiter
+
+    waited = asyncio.run(scenario())
+    assert 0 < waited < 10
+    counts = hold.read_counts(tmp_path)
+    assert (counts.now, counts.total, counts.timed_out) == (0, 1, 0)
+
+
+def test_the_hold_runs_out_with_a_reason_and_a_retry_after(tmp_path: Path) -> None:
+    clock, backend = Clock(), Backend()
+    g = gate(tmp_path, backend, clock, hold_s=8)
+    with hold.marked(tmp_path, "vllm"), pytest.raises(proxy_hook.HoldTimeout) as e:
+        asyncio.run(g.wait())
+    assert e.value.why == "switching to vllm"
+    assert e.value.waited_s == pytest.approx(8)
+    assert e.value.retry_after_s == 2
+    assert max(clock.slept) <= proxy_hook.POLL_S
+    assert hold.read_counts(tmp_path) == hold.HeldCounts(now=0, total=1, timed_out=1)
+
+
+def test_the_switch_own_token_passes_the_hold_and_a_wrong_one_does_not(tmp_path: Path) -> None:
+    clock, backend = Clock(), Backend(healthy=False)
+    g = gate(tmp_path, backend, clock, hold_s=1)
+    with hold.marked(tmp_path, "vllm") as mark:
+        assert asyncio.run(g.wait(mark.token)) == 0.0
+        assert backend.asked == 0, "the switch verifies the runtime itself"
+        with pytest.raises(proxy_hook.HoldTimeout):
+            asyncio.run(g.wait("0" * 32))
+
+
+def test_an_unhealthy_backend_holds_until_it_answers(tmp_path: Path) -> None:
+    clock, backend = Clock(), Backend(healthy=False)
+    g = gate(tmp_path, backend, clock, hold_s=30)
+
+    async def scenario() -> float:
+        waiter = asyncio.create_task(g.wait())
+        while clock.now < 1003:
+            await asyncio.sleep(0)
+        backend.healthy = True
+        return await waiter
+
+    assert asyncio.run(scenario()) == pytest.approx(3, abs=proxy_hook.POLL_S + 0.01)
+    with pytest.raises(proxy_hook.HoldTimeout, match="not healthy"):
+        backend.healthy = False
+        clock.now += 60
+        asyncio.run(gate(tmp_path, backend, clock, hold_s=2).wait())
+
+
+def test_a_mark_left_by_a_dead_switch_holds_nothing(tmp_path: Path) -> None:
+    code = (
+        "import sys; from pathlib import Path; from appliance import hold\n"
+        "m = hold.marked(Path(sys.argv[1]), 'vllm'); m.__enter__()\n"  # exits without cleanup
+        "import os; os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
+    assert (tmp_path / hold.HOLD_FILE).exists()
+    assert hold.read_mark(tmp_path) is None
+    assert asyncio.run(gate(tmp_path, Backend(), Clock()).wait()) == 0.0
+
+
+def test_held_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> None:
+    (tmp_path / hold.HELD_DIR).mkdir()
+    (tmp_path / hold.HELD_DIR / "999999999.json").write_text(
+        '{"now": 3, "total": 9, "timed_out": 1, "pid_start": "1"}'
+    )
+    (tmp_path / hold.HELD_DIR / "notes.txt").write_text("not a worker")
+    assert hold.read_counts(tmp_path) == hold.HeldCounts()
+    hold.write_counts(tmp_path, hold.HeldCounts(1, 2, 0), first=True)
+    assert hold.read_counts(tmp_path) == hold.HeldCounts(1, 2, 0)
+    assert not (tmp_path / hold.HELD_DIR / "999999999.json").exists()
+
+
+def test_the_hook_answers_503_with_retry_after(tmp_path: Path) -> None:
+    clock = Clock()
+    hook = proxy_hook.HoldHook(gate(tmp_path, Backend(healthy=False), clock, hold_s=20))
+    data = {"model": "m", "proxy_server_request": {"headers": {}}}
+    with pytest.raises(ProxyException) as e:
+        asyncio.run(hook.async_pre_call_hook(None, None, data, "acompletion"))
+    assert e.value.code == "503"
+    assert e.value.headers == {"Retry-After": "5"}
+    assert "the backend is not healthy" in e.value.message
+    ok = proxy_hook.HoldHook(gate(tmp_path, Backend(healthy=True), clock))
+    assert asyncio.run(ok.async_pre_call_hook(None, None, data, "acompletion")) is data
+
+
+@pytest.mark.parametrize(
+    ("given", "status", "message"),
+    [
+        ("", 401, "no API key"),
+        ("Bearer ", 401, "no API key"),
+        ("Bearer sk-wrong", 401, "not the appliance's key"),
+        ("sk-b70-right-but-longer", 401, "not the appliance's key"),
+    ],
+)
+def test_a_missing_or_wrong_key_is_401(
+    monkeypatch: pytest.MonkeyPatch, given: str, status: int, message: str
+) -> None:
+    monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-b70-right")
+    with pytest.raises(HTTPException) as e:
+        asyncio.run(proxy_hook.authenticate(None, given))  # type: ignore[arg-type]
+    assert e.value.status_code == status
+    assert message in str(e.value.detail)
+
+
+def test_the_right_key_is_the_proxy_admin(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-b70-right")
+    auth = asyncio.run(proxy_hook.authenticate(None, "Bearer sk-b70-right"))  # type: ignore[arg-type]
+    assert auth.user_role == "proxy_admin"
+    assert auth.api_key  # LiteLLM keeps a hash of it
+
+
+def test_no_configured_key_accepts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LITELLM_MASTER_KEY", raising=False)
+    with pytest.raises(HTTPException):
+        asyncio.run(proxy_hook.authenticate(None, "Bearer "))  # type: ignore[arg-type]
+    with pytest.raises(HTTPException):
+        asyncio.run(proxy_hook.authenticate(None, "Bearer anything"))  # type: ignore[arg-type]
