@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from appliance import state
+from appliance import hold, state
 from appliance.config import Config
 
 
@@ -57,6 +57,7 @@ class Exporter(Collector):
             "switches": total,
             "switches_failed": failed,
             "last_switch_s": last,
+            "held": hold.read_counts(state_dir),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -110,6 +111,22 @@ class Exporter(Collector):
                 "Running plus waiting requests in the runtime",
                 value=float(o.in_flight),
             )
+        held = s["held"]
+        yield GaugeMetricFamily(
+            "b70_requests_held",
+            "Requests waiting at the proxy now (a switch, or the runtime not healthy)",
+            value=float(held.now),
+        )
+        yield CounterMetricFamily(
+            "b70_held_requests",
+            "Requests that had to wait at the proxy, since the proxy started",
+            value=float(held.total),
+        )
+        yield CounterMetricFamily(
+            "b70_hold_timeouts",
+            "Held requests answered 503 because the hold time ran out, since the proxy started",
+            value=float(held.timed_out),
+        )
         total = GaugeMetricFamily("b70_vram_total_bytes", "GPU memory", labels=["device"])
         used = GaugeMetricFamily("b70_vram_used_bytes", "GPU memory in use", labels=["device"])
         per_unit = GaugeMetricFamily(

@@ -33,7 +33,7 @@ from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAut
 from appliance import hold as hold_mark
 
 POLL_S = 0.2
-HEALTH_TTL_S = 1.0  # a healthy answer is trusted this long before /health is asked again
+HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
 HEALTH_TIMEOUT_S = 2.0
 
 

@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+# Tests import LiteLLM (the proxy hook): without this it fetches a price list from the internet.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
 REPO = Path(__file__).resolve().parent.parent
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
 CACHE = Path(os.environ.get("B70_CACHE") or Path.home() / ".cache" / "b70")

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from appliance import hold, proxy_hook
 from appliance.monitor import Action, Memory, Observation, judge
 from tests.conftest import (
     GGUF,
@@ -156,20 +157,35 @@ def test_metrics_match_the_known_state(watched: tuple[Appliance, Path, int]) -> 
     switches = len(history.read_text().splitlines()) if history.exists() else 0
     assert m[("b70_switches_total", ())] == switches
     assert m[("b70_requests_in_flight", ())] == 0.0
+    assert m[("b70_requests_held", ())] == 0.0
+    held = hold.read_counts(Path(app.manager.env["XDG_STATE_HOME"]) / "b70")
+    assert m[("b70_held_requests_total", ())] == held.total
+    assert m[("b70_hold_timeouts_total", ())] == held.timed_out == 0
     assert m[("b70_failovers_total", ())] == 0.0
 
 
-def test_kill_9_is_restarted_by_systemd(watched: tuple[Appliance, Path, int]) -> None:
-    app, _, _ = watched
+def test_kill_9_is_restarted_by_systemd_and_a_request_waits_for_it(
+    watched: tuple[Appliance, Path, int],
+) -> None:
+    app, _, port = watched
+    held_before = scrape(port).get(("b70_held_requests_total", ()), 0.0)
     before = main_pid(app, "b70-flaky.service")
+    start = time.monotonic()
     os.kill(before, signal.SIGKILL)
-    took = wait_for(
-        lambda: main_pid(app, "b70-flaky.service") not in (0, before) and app.ask().strip(),
-        60,
-        "serving again after kill -9",
-    )
-    print(f"\nkill -9 -> serving through the proxy again after {took:.1f} s")
+    # The hook trusts a healthy answer for HEALTH_TTL_S: a request sent later is held, not failed.
+    time.sleep(proxy_hook.HEALTH_TTL_S + 0.1)
+    assert app.ask().strip()
+    took = time.monotonic() - start
+    print(f"\nkill -9 -> a request sent right after was answered after {took:.1f} s")
+    assert main_pid(app, "b70-flaky.service") not in (0, before)
+    assert took > 5, "RestartSec=5s: the answer can only come from the restarted runtime"
     assert app.json("status")["result"]["active_runtime"] == "flaky"
+    wait_for(
+        lambda: scrape(port)[("b70_held_requests_total", ())] >= held_before + 1,
+        10,
+        "the held request in the metrics",
+    )
+    assert scrape(port)[("b70_requests_held", ())] == 0.0
 
 
 def test_a_hang_is_detected_and_restarted(watched: tuple[Appliance, Path, int]) -> None:
