@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from fastapi import HTTPException, Request
+from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
@@ -180,8 +180,16 @@ hold = HoldHook()
 # --- the API key --------------------------------------------------------------------------------
 
 
-def _unauthorized(message: str) -> HTTPException:
-    return HTTPException(status_code=401, detail=message)
+def _unauthorized(message: str) -> ProxyException:
+    # ProxyException: LiteLLM's auth handler keeps its status, headers and message as they are.
+    return ProxyException(
+        message=message,
+        type="authentication_error",
+        param=None,
+        code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+        openai_code="invalid_api_key",
+    )
 
 
 async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:

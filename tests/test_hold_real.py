@@ -103,7 +103,10 @@ def test_a_missing_or_wrong_key_gets_401_with_a_json_error(
     response = httpx.post(url, json=body, headers=headers, timeout=30)
     assert response.status_code == 401
     assert response.headers["content-type"] == "application/json"
-    assert says in response.json()["error"]["message"]
+    assert response.headers["www-authenticate"] == "Bearer"
+    error = response.json()["error"]
+    assert says in error["message"]
+    assert error["type"] == "authentication_error"
 
 
 def test_the_sdk_sees_a_wrong_key_as_an_authentication_error(held_app: Appliance) -> None:

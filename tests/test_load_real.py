@@ -41,3 +41,23 @@ def test_eight_clients_four_switches_no_failed_request_no_truncated_stream(
     assert s["steady_phase"]["succeeded"] >= 8
     assert s["during_switches"]["succeeded"] >= 8
     assert [sw["target"] for sw in s["switches"]] == ["vllm", "llamacpp", "vllm", "llamacpp"]
+
+
+def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Appliance) -> None:
+    """RECIPES.md 7: plain LiteLLM in front of llama-server failed now and then at 16 concurrent
+    streams, reusing a connection the runtime had closed. Here it must not."""
+    lt = load_test_module()
+    target = lt.Target(
+        f"http://127.0.0.1:{appliance.proxy_port}",
+        appliance.key,
+        "smollm2",
+        [B70CTL, "--user", "--config", str(appliance.config)],
+    )
+    report = asyncio.run(
+        lt.run(target, clients=16, switches=0, between=("llamacpp", "vllm"), steady_s=40)
+    )
+    s = report.summary()
+    print(lt.render_summary(s))
+    assert s["all"]["failed"] == 0, s["errors"]
+    assert s["all"]["truncated"] == 0, s["errors"]
+    assert s["steady_phase"]["succeeded"] >= 32

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from fastapi import HTTPException
 from litellm.proxy._types import ProxyException
 
 from appliance import hold, proxy_hook
@@ -167,10 +166,11 @@ def test_a_missing_or_wrong_key_is_401(
     monkeypatch: pytest.MonkeyPatch, given: str, status: int, message: str
 ) -> None:
     monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-b70-right")
-    with pytest.raises(HTTPException) as e:
+    with pytest.raises(ProxyException) as e:
         asyncio.run(proxy_hook.authenticate(None, given))  # type: ignore[arg-type]
-    assert e.value.status_code == status
-    assert message in str(e.value.detail)
+    assert e.value.code == str(status)
+    assert e.value.headers == {"WWW-Authenticate": "Bearer"}
+    assert message in e.value.message
 
 
 def test_the_right_key_is_the_proxy_admin(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -182,7 +182,7 @@ def test_the_right_key_is_the_proxy_admin(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_no_configured_key_accepts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LITELLM_MASTER_KEY", raising=False)
-    with pytest.raises(HTTPException):
+    with pytest.raises(ProxyException):
         asyncio.run(proxy_hook.authenticate(None, "Bearer "))  # type: ignore[arg-type]
-    with pytest.raises(HTTPException):
+    with pytest.raises(ProxyException):
         asyncio.run(proxy_hook.authenticate(None, "Bearer anything"))  # type: ignore[arg-type]
