@@ -196,24 +196,43 @@ def litellm_path(config: Config) -> str:
     return config.proxy.litellm or str(Path(config.b70ctl).parent / "litellm")
 
 
-def render_proxy_unit(config: Config, lay: Layout) -> str:
+def proxy_argv(config: Config, lay: Layout) -> list[str]:
     proxy = config.proxy
     argv = [litellm_path(config), "--config", str(lay.proxy_config)]
     argv += ["--host", proxy.host, "--port", str(proxy.port), "--num_workers", str(proxy.workers)]
+    # uvicorn gives each worker 5 s to answer its supervisor at start-up, less than LiteLLM takes
+    # to start on a busy machine; a worker that misses it is killed and started again, forever.
+    return [*argv, "--timeout_worker_healthcheck", "120"]
+
+
+def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
+    """The proxy's environment, the master key aside (that comes from the key file)."""
+    return {
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # else it fetches a price list at start-up
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOG": "ERROR",  # no per-request log lines: they cost CPU on every request
+        "PYTHONUNBUFFERED": "1",
+        # llama-server and vLLM close a keep-alive connection after 5 s idle; reusing one they
+        # are closing fails a request with "Connection error". Reuse only younger ones.
+        "AIOHTTP_KEEPALIVE_TIMEOUT": "3",
+        # For the request hold (appliance.proxy_hook): the switch's mark, the backend, the time.
+        "B70_STATE_DIR": str(lay.state_dir),
+        "B70_BACKEND_URL": runtimes.backend_url(config),
+        "B70_HOLD_S": f"{config.proxy.hold_s:g}",
+    }
+
+
+def render_proxy_unit(config: Config, lay: Layout) -> str:
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.proxy_url(config)]
     post += ["--engine", "litellm", "--pid", MAINPID]
     return _render(
         "litellm.service.j2",
         lay,
-        proxy=proxy,
+        proxy=config.proxy,
         system_scope=lay.scope is Scope.SYSTEM,
         key_file=str(lay.key_file),
-        hold_environment=[
-            render_environment("B70_STATE_DIR", str(lay.state_dir)),
-            render_environment("B70_BACKEND_URL", runtimes.backend_url(config)),
-            render_environment("B70_HOLD_S", f"{proxy.hold_s:g}"),
-        ],
-        exec_start=argv,
+        environment=[render_environment(k, v) for k, v in proxy_environment(config, lay).items()],
+        exec_start=proxy_argv(config, lay),
         exec_start_post=post,
         wanted_by=lay.wanted_by,
     )
