@@ -23,7 +23,7 @@ from tests.conftest import (
     running_manager,
 )
 
-HOLD_S = 8
+HOLD_S = 12
 KINDS = ("chat", "chat-stream", "completion", "completion-stream")
 
 
@@ -129,7 +129,7 @@ def test_requests_wait_for_a_stopped_runtime_and_go_through_when_it_is_back(
         assert not isinstance(results[kind], Exception), (kind, results[kind])
         text, seconds = results[kind]
         assert text.strip(), kind
-        assert 2.5 < seconds < HOLD_S, (kind, seconds)
+        assert seconds > 2.5, (kind, seconds)  # held until the runtime was back, not refused
     assert hold.read_counts(state_dir).total - before == len(KINDS)
 
 
@@ -143,7 +143,7 @@ def test_the_hold_runs_out_with_503_and_retry_after(held_app: Appliance) -> None
         e = results[kind]
         assert isinstance(e, openai.APIStatusError), (kind, e)
         assert e.status_code == 503, kind
-        assert e.response.headers["retry-after"] == "2", kind
+        assert e.response.headers["retry-after"] == "3", kind
         message = e.response.json()["error"]["message"]
         assert "the backend is not healthy" in message and f"waited {HOLD_S} s" in message
     assert ask(held_app, "chat")[0].strip()

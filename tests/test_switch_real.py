@@ -197,3 +197,57 @@ def test_a_foreign_gpu_holder_is_named_and_the_switch_refused(
     assert [(u["unit"], u["active"], u["main_pid"]) for u in after] == [
         (u["unit"], u["active"], u["main_pid"]) for u in before
     ]
+
+
+def test_a_restart_drains_the_stream_in_flight_and_holds_the_next_request(
+    appliance: Appliance,
+) -> None:
+    """llama-server cuts every request in flight on SIGTERM: only the drain saves this stream."""
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    client = appliance.client()
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Write a long story about the sea."}],
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        timeout=300,
+    )
+    chunks = iter(stream)
+    first = next(chunks)  # the runtime is generating now
+    switch = subprocess.Popen(
+        [*appliance_argv(appliance), "switch", "llamacpp", "--restart", "--json"],
+        env=appliance.manager.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    hold_file = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "hold.json"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not hold_file.exists():
+        time.sleep(0.02)
+    assert hold_file.exists(), "the switch never marked the hold"
+    held: dict[str, object] = {}
+
+    def late_request() -> None:  # arrives while the switch drains: it must wait, not fail
+        start = time.monotonic()
+        held["answer"] = appliance.ask("Say yes.")
+        held["seconds"] = time.monotonic() - start
+
+    late = threading.Thread(target=late_request)
+    late.start()
+    rest = list(chunks)
+    usage = [c.usage for c in rest if c.usage]
+    finish = [c.choices[0].finish_reason for c in [first, *rest] if c.choices]
+    out, err = switch.communicate(timeout=300)
+    late.join(timeout=300)
+    assert switch.returncode == 0, err
+    result = json.loads(out)["result"]
+    assert finish[-1] == "length", "the stream was cut"
+    assert usage and usage[-1].completion_tokens == 300
+    assert result["phases"]["drained"] > 0.5, result["phases"]
+    assert str(held.get("answer", "")).strip(), "the request during the switch got no answer"
+    assert float(held["seconds"]) > result["phases"]["drained"] / 2  # type: ignore[arg-type]
+    assert not hold_file.exists(), "the hold was not released"
