@@ -6,9 +6,11 @@ check, the unit's environment and command line), only on other ports and without
 1. Capacity: a stream source that answers as fast as it can (8 SSE events per write) stands in
    for the runtime. 64 streams of 256 tokens through the proxy, for each worker count asked for:
    streamed chunks per second, and the proxy's CPU per chunk (all its processes, from /proc).
-2. Ratio: llama-server with the demo model and 64 slots is the runtime. 64 streams through the
-   proxy and 64 straight to llama-server, alternated A B A B: tokens per second of each, and the
-   ratio. Both share this machine's cores with the proxy, as they would in the appliance.
+2. Ratio at 64 streams: 64 streams through the proxy and 64 straight to the runtime, alternated
+   A B A B: tokens per second of each, and the ratio. Twice: against a source paced like a B70
+   serving 64 users (1500 tokens/s in all, one event per write), and against llama-server with
+   the demo model and 64 slots, which shares this machine's two cores with the proxy (on a B70
+   the GPU generates, so the proxy's CPU takes nothing from it).
 
 The client is raw asyncio HTTP/1.1 (keep-alive, chunked framing, counting `data:` events), so
 that it costs little next to what it measures.
@@ -72,7 +74,9 @@ def sse_response(path: str, request: dict, per_write: int) -> list[bytes]:
     return writes
 
 
-async def serve_source(port: int, per_write: int = 8) -> None:
+async def serve_source(port: int, per_write: int = 8, stream_tokens_per_s: float = 0) -> None:
+    """Answer as fast as possible, or, paced, at `stream_tokens_per_s` per stream."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
@@ -99,6 +103,8 @@ async def serve_source(port: int, per_write: int = 8) -> None:
                     for chunk in sse_response(path, json.loads(body or b"{}"), per_write):
                         writer.write(chunk)
                         await writer.drain()
+                        if stream_tokens_per_s:
+                            await asyncio.sleep(per_write / stream_tokens_per_s)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -275,45 +281,72 @@ def capacity(root: Path, workers_list: list[int], seconds: float) -> list[dict[s
     return rows
 
 
-def ratio(root: Path, cache: Path, workers: int, seconds: float, rounds: int) -> dict[str, float]:
-    llama_port = free_port()
+def ratio(root: Path, backend_port: int, workers: int, seconds: float, rounds: int, what: str):
+    """64 streams through the proxy and 64 straight to the backend, alternated A B A B."""
+    cfg = appliance_config(free_port(), backend_port, workers)
+    key = "sk-bench-" + os.urandom(16).hex()
+    proxy = start_proxy(cfg, root, key)
+    try:
+        run_client(cfg.proxy.port, key, "smollm2", 64, 64, 5)  # warm
+        through, direct = [], []
+        for i in range(rounds):
+            a = run_client(cfg.proxy.port, key, "smollm2", 64, 256, seconds)
+            b = run_client(backend_port, "none", "smollm2", 64, 256, seconds)
+            through.append(a["chunks"] / a["wall_s"])
+            direct.append(b["chunks"] / b["wall_s"])
+            print(
+                f"ratio ({what}): round {i + 1}: through the proxy {through[-1]:.0f} tokens/s "
+                f"({a['failed']} failed), direct {direct[-1]:.0f} tokens/s ({b['failed']} failed)",
+                flush=True,
+            )
+    finally:
+        stop(proxy)
+    t, d = statistics.median(through), statistics.median(direct)
+    return {"through_tokens_per_s": t, "direct_tokens_per_s": d, "ratio": t / d}
+
+
+def ratio_paced(root: Path, workers: int, seconds: float, rounds: int, total_tokens_per_s: float):
+    """A source paced like a B70 at 64 users: each stream gets 1/64 of the total rate."""
+    port = free_port()
+    argv = [sys.executable, __file__, "--serve-source", str(port)]
+    source = subprocess.Popen(
+        [*argv, "--pace", str(total_tokens_per_s / 64)], start_new_session=True
+    )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", 30)
+        what = f"source paced at {total_tokens_per_s:g} tokens/s over 64 streams"
+        return ratio(root, port, workers, seconds, rounds, what)
+    finally:
+        stop(source)
+
+
+def ratio_llama(root: Path, cache: Path, workers: int, seconds: float, rounds: int):
+    """llama-server with the demo model and 64 slots, sharing this machine's cores."""
+    port = free_port()
     model = cache / "smollm2-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     argv = [str(cache / "bin" / "llama-server"), "--model", str(model), "--alias", "smollm2"]
-    argv += ["--host", "127.0.0.1", "--port", str(llama_port), "--parallel", "64"]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--parallel", "64"]
     argv += ["-c", str(64 * 384), "--threads", "2", "--metrics"]
     llama = subprocess.Popen(
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        wait_http(f"http://127.0.0.1:{llama_port}/health", 120)
-        cfg = appliance_config(free_port(), llama_port, workers)
-        key = "sk-bench-" + os.urandom(16).hex()
-        proxy = start_proxy(cfg, root, key)
-        try:
-            run_client(cfg.proxy.port, key, "smollm2", 64, 128, 5)  # warm
-            through, direct = [], []
-            for i in range(rounds):
-                a = run_client(cfg.proxy.port, key, "smollm2", 64, 256, seconds)
-                b = run_client(llama_port, "none", "smollm2", 64, 256, seconds)
-                through.append(a["chunks"] / a["wall_s"])
-                direct.append(b["chunks"] / b["wall_s"])
-                print(
-                    f"ratio: round {i + 1}: through the proxy {through[-1]:.0f} tokens/s "
-                    f"({a['failed']} failed), direct {direct[-1]:.0f} tokens/s ({b['failed']} "
-                    f"failed)",
-                    flush=True,
-                )
-        finally:
-            stop(proxy)
+        wait_http(f"http://127.0.0.1:{port}/health", 120)
+        return ratio(root, port, workers, seconds, rounds, "llama-server, 64 slots, CPU")
     finally:
         stop(llama)
-    t, d = statistics.median(through), statistics.median(direct)
-    return {"through_tokens_per_s": t, "direct_tokens_per_s": d, "ratio": t / d}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--serve-source", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--pace", type=float, default=0, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--paced-tokens-per-s",
+        type=float,
+        default=1500,
+        help="total rate of the paced source (a B70 at 64 users: 1420-1510)",
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--rounds", type=int, default=2)
@@ -321,15 +354,18 @@ def main() -> int:
     parser.add_argument("--skip-ratio", action="store_true")
     args = parser.parse_args()
     if args.serve_source:
-        asyncio.run(serve_source(args.serve_source))
+        asyncio.run(serve_source(args.serve_source, 1 if args.pace else 8, args.pace))
         return 0
     with tempfile.TemporaryDirectory(prefix="b70-bench-proxy-") as tmp:
         rows = capacity(Path(tmp), args.workers, args.seconds)
         result: dict[str, object] = {"capacity": rows}
         if not args.skip_ratio:
-            cache = Path(args.cache).expanduser()
-            result["ratio_64_streams"] = ratio(
-                Path(tmp), cache, max(args.workers), args.seconds, args.rounds
+            workers, root = max(args.workers), Path(tmp)
+            result["ratio_64_streams_paced"] = ratio_paced(
+                root, workers, args.seconds, args.rounds, args.paced_tokens_per_s
+            )
+            result["ratio_64_streams_llama"] = ratio_llama(
+                root, Path(args.cache).expanduser(), workers, args.seconds, args.rounds
             )
     print(json.dumps(result, indent=2))
     return 0
