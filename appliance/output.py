@@ -65,6 +65,13 @@ def render_status(s: dict[str, Any]) -> str:
         lines.append(
             f"{key:<9} {p['url']}  {'healthy' if p['healthy'] else 'unhealthy: ' + p['detail']}"
         )
+    held = s.get("hold")
+    if held:
+        doing = f"switching to {held['switching_to']}; " if held["switching_to"] else ""
+        lines.append(
+            f"requests  {doing}{held['held_now']} waiting at the proxy now, "
+            f"{held['held_total']} waited since it started, {held['timed_out_total']} got 503"
+        )
     last = s.get("last_switch")
     if last:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"]))

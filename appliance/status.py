@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from appliance import health, runtimes, state, systemd
+from appliance import health, hold, runtimes, state, systemd
 from appliance.config import Config, Scope
 from appliance.render import (
     MONITOR_UNIT,
@@ -52,8 +52,21 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
             "healthy": proxy.healthy,
             "detail": proxy.detail,
         },
+        "hold": hold_view(lay.state_dir),
         "last_switch": state.last_switch(lay.state_dir),
         "monitor": monitor_view(lay.state_dir),
+    }
+
+
+def hold_view(state_dir: Path) -> dict[str, Any]:
+    """Requests waiting at the proxy, and the switch that holds them, if one runs."""
+    mark = hold.read_mark(state_dir)
+    counts = hold.read_counts(state_dir)
+    return {
+        "switching_to": mark.target if mark else None,
+        "held_now": counts.now,
+        "held_total": counts.total,
+        "timed_out_total": counts.timed_out,
     }
 
 

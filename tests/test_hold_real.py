@@ -131,6 +131,9 @@ def test_requests_wait_for_a_stopped_runtime_and_go_through_when_it_is_back(
         assert text.strip(), kind
         assert seconds > 2.5, (kind, seconds)  # held until the runtime was back, not refused
     assert hold.read_counts(state_dir).total - before == len(KINDS)
+    shown = held_app.json("status")["result"]["hold"]
+    assert shown["switching_to"] is None and shown["held_now"] == 0
+    assert shown["held_total"] - before == len(KINDS)
 
 
 def test_the_hold_runs_out_with_503_and_retry_after(held_app: Appliance) -> None:
