@@ -9,6 +9,7 @@ import httpx
 import psutil
 
 from appliance.errors import ApplianceError
+from appliance.runtimes import METRICS_PATH, parse_in_flight
 
 PROXY_HEALTH_PATH = "/health/liveliness"  # /health would send a completion to every model
 
@@ -33,8 +34,6 @@ def probe(url: str, timeout_s: float = 2.0) -> Probe:
 
 def read_in_flight(base_url: str, timeout_s: float = 2.0) -> int | None:
     """Requests a runtime is running or queueing, from its /metrics; None if it cannot say."""
-    from appliance.runtimes import METRICS_PATH, parse_in_flight
-
     try:
         response = httpx.get(base_url + METRICS_PATH, timeout=timeout_s)
     except httpx.HTTPError:

@@ -35,6 +35,8 @@ class Mark:
 
 
 def _write(path: Path, text: str) -> None:
+    """Replace a file at once. Not render.write_atomic: no fsync, because the proxy writes its
+    counts on its event loop, and the mark and the counts mean nothing after a reboot."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
