@@ -212,9 +212,11 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         "LITELLM_TELEMETRY": "False",
         "LITELLM_LOG": "ERROR",  # no per-request log lines: they cost CPU on every request
         "PYTHONUNBUFFERED": "1",
-        # llama-server and vLLM close a keep-alive connection after 5 s idle; reusing one they
-        # are closing fails a request with "Connection error". Reuse only younger ones.
-        "AIOHTTP_KEEPALIVE_TIMEOUT": "3",
+        # No reuse of connections to the runtime (0: a pooled connection is always too old).
+        # Writing a request onto a keep-alive connection the runtime is closing fails it with
+        # "Connection error" (RECIPES.md 7); a 3 s limit, under the runtimes' 5 s, still let one
+        # through in 155 requests at 16 streams. A loopback connect per request costs nothing.
+        "AIOHTTP_KEEPALIVE_TIMEOUT": "0",
         # For the request hold (appliance.proxy_hook): the switch's mark, the backend, the time.
         "B70_STATE_DIR": str(lay.state_dir),
         "B70_BACKEND_URL": runtimes.backend_url(config),

@@ -140,7 +140,7 @@ async def one_request(client: Any, model: str, kind: str, prompt: str, max_token
         if not finished:
             outcome.error = "ended without a finish_reason"
     except openai.APIStatusError as e:
-        outcome.error = f"HTTP {e.status_code}: {str(e.message)[:120]}"
+        outcome.error = f"HTTP {e.status_code}: {str(e.message)[:300]}"
     except (openai.APIError, OSError) as e:
         outcome.error = f"{type(e).__name__}: {str(e)[:120]}"
     if outcome.error and outcome.chunks:

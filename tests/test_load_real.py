@@ -58,6 +58,8 @@ def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Applia
     )
     s = report.summary()
     print(lt.render_summary(s))
+    if s["all"]["failed"] or s["all"]["truncated"]:
+        print(appliance.b70ctl("logs", "proxy", "-n", "80").stdout)
     assert s["all"]["failed"] == 0, s["errors"]
     assert s["all"]["truncated"] == 0, s["errors"]
     assert s["steady_phase"]["succeeded"] >= 32
