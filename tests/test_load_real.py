@@ -19,16 +19,21 @@ def load_test_module():  # type: ignore[no-untyped-def]
     return module
 
 
-def test_eight_clients_four_switches_no_failed_request_no_truncated_stream(
-    appliance: Appliance,
-) -> None:
-    lt = load_test_module()
-    target = lt.Target(
+def load_target(lt, appliance: Appliance):  # type: ignore[no-untyped-def]
+    """The test appliance as scripts/load_test.py addresses an installed one."""
+    return lt.Target(
         f"http://127.0.0.1:{appliance.proxy_port}",
         appliance.key,
         "smollm2",
         [B70CTL, "--user", "--config", str(appliance.config)],
     )
+
+
+def test_eight_clients_four_switches_no_failed_request_no_truncated_stream(
+    appliance: Appliance,
+) -> None:
+    lt = load_test_module()
+    target = load_target(lt, appliance)
     report = asyncio.run(
         lt.run(target, clients=8, switches=4, between=("llamacpp", "vllm"), steady_s=20, log=print)
     )
@@ -47,12 +52,7 @@ def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Applia
     """RECIPES.md 7: plain LiteLLM in front of llama-server failed now and then at 16 concurrent
     streams, reusing a connection the runtime had closed. Here it must not."""
     lt = load_test_module()
-    target = lt.Target(
-        f"http://127.0.0.1:{appliance.proxy_port}",
-        appliance.key,
-        "smollm2",
-        [B70CTL, "--user", "--config", str(appliance.config)],
-    )
+    target = load_target(lt, appliance)
     report = asyncio.run(
         lt.run(target, clients=16, switches=0, between=("llamacpp", "vllm"), steady_s=40)
     )
