@@ -75,13 +75,7 @@ def test_round_trip_llamacpp_vllm_llamacpp(appliance: Appliance) -> None:
     sampler = ExclusionSampler(appliance)
     sampler.start()
     try:
-        first = subprocess.Popen(
-            [*appliance_argv(appliance), "switch", "vllm", "--json"],
-            env=appliance.manager.env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        first = start_switch(appliance, "vllm")
         # A second switch while the first one runs is refused and names the first.
         lock = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "switch.lock"
         deadline = time.monotonic() + 30
@@ -173,6 +167,17 @@ def appliance_argv(app: Appliance) -> list[str]:
     return [B70CTL, "--user", "--config", str(app.config)]
 
 
+def start_switch(app: Appliance, *args: str) -> subprocess.Popen[str]:
+    """`b70ctl switch ARGS --json` running in the background."""
+    return subprocess.Popen(
+        [*appliance_argv(app), "switch", *args, "--json"],
+        env=app.manager.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def test_a_foreign_gpu_holder_is_named_and_the_switch_refused(
     appliance: Appliance, tmp_path: Path
 ) -> None:
@@ -242,13 +247,7 @@ def test_a_restart_drains_the_stream_in_flight_and_holds_the_next_request(
     )
     chunks = iter(stream)
     first = next(chunks)  # the runtime is generating now
-    switch = subprocess.Popen(
-        [*appliance_argv(appliance), "switch", "llamacpp", "--restart", "--json"],
-        env=appliance.manager.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    switch = start_switch(appliance, "llamacpp", "--restart")
     hold_file = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "hold.json"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not hold_file.exists():
