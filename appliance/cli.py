@@ -17,7 +17,7 @@ import click
 from appliance import config as config_mod
 from appliance import output
 from appliance.config import Config, Scope
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, from_exception
 
 
 @dataclasses.dataclass
@@ -49,20 +49,28 @@ def with_json(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class ApplianceGroup(click.Group):
-    """Handles ApplianceError once, for every command: message and hint, or the JSON envelope."""
+    """The one error path, for every command: message and hint, or the JSON envelope.
+
+    Any exception a command lets escape (the appliance's own, OSError, decoding, D-Bus, a
+    subprocess timeout, Ctrl-C) ends here; click's own exceptions (usage errors, exit) go on to
+    `main`. A traceback is printed only with --debug.
+    """
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
-        except ApplianceError as e:
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except (Exception, KeyboardInterrupt) as exc:
             obj = ctx.obj
             if obj is not None and obj.debug:
                 raise
+            error = from_exception(exc)
             if obj is not None and obj.json:
-                output.emit_json_error(e)
+                output.emit_json_error(error)
             else:
-                output.emit_error(e)
-            ctx.exit(e.exit_code)
+                output.emit_error(error)
+            ctx.exit(error.exit_code)
 
 
 @click.group(
@@ -102,7 +110,7 @@ def cli(ctx: click.Context, config_path: Path | None, user_scope: bool, debug: b
 @click.option(
     "--diff", is_flag=True, help="Show how the rendered files differ from the installed ones."
 )
-@click.pass_obj
+@with_json
 def render(ctx: Context, out: Path | None, diff: bool) -> None:
     """Render the units and the proxy config from the config file.
 
@@ -117,16 +125,25 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
     config = ctx.config()
     if diff:
         text = render_diff(config, ctx.scope)
-        click.echo(text, nl=False)
+        if ctx.json:
+            output.emit_json({"changed": bool(text), "diff": text})
+        else:
+            click.echo(text, nl=False)
         sys.exit(1 if text else 0)
     files = render_all(config, layout(ctx.scope))
     if out is None:
-        for name, text in files.items():
-            click.echo(f"# ---- {name}\n{text}")
+        if ctx.json:
+            output.emit_json({"files": files})
+        else:
+            for name, text in files.items():
+                click.echo(f"# ---- {name}\n{text}")
         return
     for name, text in files.items():
         write_atomic(out / name, text)
-    click.echo("\n".join(str(out / name) for name in files))
+    if ctx.json:
+        output.emit_json({"written": [str(out / name) for name in files]})
+    else:
+        click.echo("\n".join(str(out / name) for name in files))
 
 
 @cli.command()
@@ -160,6 +177,13 @@ def install(ctx: Context, now: bool) -> None:
         click.echo("every file was already current")
     if result.key_created:
         click.echo("created the proxy key file")
+    if result.config is not None:
+        change = result.config
+        if change.backup:
+            click.echo(f"replaced {change.path}; the previous file is kept as {change.backup}:")
+            click.echo(change.diff, nl=False)
+        else:
+            click.echo(f"wrote {change.path}")
     click.echo(f"enabled {', '.join(result.enabled)}")
     for unit in result.started:
         click.echo(f"started {unit}")
@@ -241,7 +265,7 @@ def status(ctx: Context) -> None:
 
 @cli.command()
 @click.option("--once", is_flag=True, help="Take one sample, act on it, and exit.")
-@click.pass_obj
+@with_json
 def monitor(ctx: Context, once: bool) -> None:
     """Watch the serving runtime: restart it when it hangs, fail over when it does not come back.
 
@@ -255,14 +279,23 @@ def monitor(ctx: Context, once: bool) -> None:
     """
     from appliance import monitor as monitor_mod
 
-    monitor_mod.run(ctx.config(), ctx.scope, unitgate_log, once=once)
+    if ctx.json and not once:
+        raise ApplianceError(
+            "monitor runs until it is stopped; --json prints one sample",
+            hint="add --once",
+            code="usage_error",
+            exit_code=2,
+        )
+    sample = monitor_mod.run(ctx.config(), ctx.scope, unitgate_log, once=once)
+    if ctx.json:
+        output.emit_json(sample)
 
 
 @cli.command()
 @click.argument("name")
 @click.option("-n", "--lines", default=100, show_default=True, help="How many lines.")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.pass_obj
+@with_json
 def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
     """Show the journal of runtime NAME, or of the proxy (NAME: proxy).
 
@@ -273,8 +306,23 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
     from appliance import systemd
     from appliance.render import PROXY_UNIT
 
+    if lines < 1:
+        raise ApplianceError(
+            f"--lines {lines}: must be at least 1", code="usage_error", exit_code=2
+        )
     config = ctx.config()
     unit = PROXY_UNIT if name in {"proxy", "litellm"} else config.runtime(name).unit
+    if ctx.json:
+        if follow:
+            raise ApplianceError(
+                "--follow prints lines as they come and does not go with --json",
+                hint="drop one of them",
+                code="usage_error",
+                exit_code=2,
+            )
+        text = systemd.journal_excerpt(ctx.scope, unit, lines)
+        output.emit_json({"unit": unit, "lines": text.splitlines()})
+        return
     argv = systemd.journal_command(ctx.scope, unit, lines, follow)
     try:
         os.execvp(argv[0], argv)
@@ -583,9 +631,13 @@ def gpu(ctx: Context, root: Path | None) -> None:
 @click.option("--need-gib", type=float, help="The same in GiB.")
 @click.option("--device", default="auto", show_default=True, help="PCI address, or auto.")
 @click.option("--unit", help="The unit about to start (its own memory does not count).")
-@click.option("--timeout", "timeout_s", type=float, default=120, show_default=True)
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0), default=120, show_default=True
+)
 @root_option
+@with_json
 def gpu_wait_free(
+    ctx: Context,
     need_bytes: int,
     need_gib: float | None,
     device: str,
@@ -603,8 +655,16 @@ def gpu_wait_free(
     """
     from appliance import memgate
 
+    if need_bytes < 0 or (need_gib is not None and not 0 <= need_gib <= 1024**2):
+        raise ApplianceError(
+            "--need-bytes and --need-gib must be between 0 and 1 PiB",
+            code="usage_error",
+            exit_code=2,
+        )
     need = int(need_gib * memgate.GIB) if need_gib is not None else need_bytes
     memgate.wait_start(gpu_root(root), device, need, unit, timeout_s, unitgate_log)
+    if ctx.json:
+        output.emit_json({"device": device, "need_bytes": need, "free": True})
 
 
 def unitgate_log(message: str) -> None:
@@ -618,12 +678,15 @@ def unit() -> None:
 
 @unit.command("pre")
 @click.option("--port", type=int, required=True)
-@click.option("--wait", "wait_s", type=float, default=10.0)
-def unit_pre(port: int, wait_s: float) -> None:
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=10.0)
+@with_json
+def unit_pre(ctx: Context, port: int, wait_s: float) -> None:
     """ExecStartPre: the backend port must be free."""
     from appliance import unitgate
 
     unitgate.pre(port, wait_s)
+    if ctx.json:
+        output.emit_json({"port": port, "free": True})
 
 
 @unit.command("ready")
@@ -632,20 +695,51 @@ def unit_pre(port: int, wait_s: float) -> None:
 @click.option("--pid", type=int, required=True)
 @click.option("--container")
 @click.option("--container-cli")
+@with_json
 def unit_ready(
-    url: str, engine: str, pid: int, container: str | None, container_cli: str | None
+    ctx: Context, url: str, engine: str, pid: int, container: str | None, container_cli: str | None
 ) -> None:
     """ExecStartPost: wait until URL is healthy and served by PID's own process tree."""
     from urllib.parse import urlsplit
 
     from appliance import unitgate
 
-    port = urlsplit(url).port
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = None
     if port is None:
-        raise ApplianceError(f"--url {url} names no port")
+        raise ApplianceError(f"--url {url} names no valid port", code="usage_error", exit_code=2)
     unitgate.ready(unitgate.ReadyTarget(url, engine, port, pid, container, container_cli))
+    if ctx.json:
+        output.emit_json({"url": url, "ready": True})
 
 
 def main() -> None:
-    """The console script."""
-    cli()
+    """The console script: click's usage errors, too, become the JSON envelope with --json."""
+    as_json = "--json" in sys.argv[1:]
+    try:
+        code = cli.main(standalone_mode=False)
+    except click.exceptions.Abort:  # Ctrl-C while click itself was prompting or parsing
+        code = _fail(ApplianceError("interrupted", code="interrupted", exit_code=130), as_json)
+    except click.ClickException as e:
+        if as_json:
+            error = ApplianceError(
+                e.format_message(),
+                hint="see b70ctl COMMAND --help",
+                code="usage_error",
+                exit_code=e.exit_code,
+            )
+            code = _fail(error, as_json)
+        else:
+            e.show()
+            code = e.exit_code
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def _fail(error: ApplianceError, as_json: bool) -> int:
+    if as_json:
+        output.emit_json_error(error)
+    else:
+        output.emit_error(error)
+    return error.exit_code

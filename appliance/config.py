@@ -5,6 +5,9 @@ Every error names the file, the key and what is wrong. Loading never writes anyt
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -17,7 +20,18 @@ from typing import Any, TypeVar
 from appliance.errors import ConfigError
 
 SYSTEM_CONFIG = Path("/etc/b70/appliance.toml")
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+# A runtime name becomes a unit name (b70-NAME.service), a container name and a journal tag.
+NAME_RE = re.compile(r"^[a-z](?:[a-z0-9]|-(?=[a-z0-9])){0,31}$")
+# Names the appliance uses for its own units and files (b70-litellm.service, ...): a runtime
+# named so would replace them, and `b70ctl logs proxy` names the proxy.
+RESERVED_NAMES = frozenset({"litellm", "proxy", "monitor", "sysusers", "status", "socket"})
+# C0 control characters and DEL: a newline in a value would start a new line in a unit file.
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
+# systemd reads these as prefixes of an Exec*= executable ("-" ignores failure, "+" runs it with
+# full privileges): a command never starts with one.
+EXEC_PREFIX_CHARS = "-@+!:|"
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 GIB = 1024**3
 
@@ -129,6 +143,8 @@ class Config:
     monitor: MonitorConfig = MonitorConfig()
     docker: str = "/usr/bin/docker"
     podman: str = "/usr/bin/podman"
+    # The file's text as it was validated: install keeps exactly this, not a later copy.
+    text: str = field(default="", repr=False, compare=False)
 
     def runtime(self, name: str) -> RuntimeConfig:
         try:
@@ -160,14 +176,24 @@ def default_b70ctl() -> str:
 def load(path: Path) -> Config:
     """Read and validate one configuration file."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(
             f"{path}: no such configuration file",
             hint="copy examples/demo.toml or examples/b70.toml there, or pass --config",
         ) from None
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read it: {e.strerror}") from None
+        raise ConfigError(
+            f"{path}: cannot read it: {e.strerror}", hint="check the path and its permissions"
+        ) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(
+            f"{path}: not UTF-8: byte {e.start} (line {line}) is {data[e.start]:#04x}",
+            hint="save the file as UTF-8",
+        ) from None
     return parse(text, path)
 
 
@@ -178,7 +204,32 @@ def parse(text: str, path: Path) -> Config:
         raise ConfigError(
             f"{path}: not valid TOML: {e}", hint="fix the syntax at that line"
         ) from None
-    return _Reader(path).config(data)
+    _refuse_control_characters(path, data)
+    return dataclasses.replace(_Reader(path).config(data), text=text)
+
+
+def _refuse_control_characters(path: Path, data: object, key: str = "") -> None:
+    """Every key and string of the file, at any depth, is free of control characters.
+
+    Strings become unit-file lines and command-line words; one with a newline could add a line
+    such as ExecStartPre=, a NUL would be written into the file. The error names the dotted key
+    and, in a list, the index.
+    """
+    where = key or "(top level)"
+    if isinstance(data, str):
+        if match := CONTROL_RE.search(data):
+            raise ConfigError(
+                f"{path}: {where}: holds the control character {match.group()!r} at "
+                f"position {match.start()}",
+                hint="values may not hold newlines, tabs, NUL or other control characters",
+            )
+    elif isinstance(data, dict):
+        for name, value in data.items():
+            _refuse_control_characters(path, name, key)
+            _refuse_control_characters(path, value, f"{key}.{name}" if key else name)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _refuse_control_characters(path, value, f"{where}[{i}]")
 
 
 T = TypeVar("T")
@@ -227,6 +278,8 @@ class _Reader:
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise self.fail(full, f"must be {_article(kind)}, not {_kind(value)} ({value!r})")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self.fail(full, f"{value} is not a finite number")
         if check is not None:
             problem = check(value)
             if problem:
@@ -238,6 +291,20 @@ class _Reader:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise self.fail(prefix + key, f"must be a list of strings, not {value!r}")
         return tuple(value)
+
+    def paths(
+        self, data: Mapping[str, Any], key: str, prefix: str, example: str
+    ) -> tuple[str, ...]:
+        """A list of absolute paths, each optionally followed by ':' and more (container maps)."""
+        values = self.strings(data, key, prefix)
+        for i, value in enumerate(values):
+            if not value.startswith("/"):
+                raise self.fail(
+                    f"{prefix}{key}[{i}]",
+                    f"{value!r} must start with an absolute path",
+                    f"e.g. {example}",
+                )
+        return values
 
     def config(self, data: Mapping[str, Any]) -> Config:
         top = {
@@ -254,8 +321,6 @@ class _Reader:
         self.known(data, "", top)
         proxy = self.proxy(self.table(data, "proxy"))
         backend = self.backend(self.table(data, "backend"))
-        if backend.port == proxy.port and backend.host in {proxy.host, "0.0.0.0", "127.0.0.1"}:
-            raise self.fail("backend.port", f"{backend.port} is also proxy.port", "use two ports")
         gpu = self.gpu(self.table(data, "gpu"))
         runtimes_table = self.table(data, "runtimes")
         if not runtimes_table:
@@ -272,8 +337,7 @@ class _Reader:
                 "one of: " + ", ".join(sorted(runtimes)),
             )
         monitor = self.monitor(self.table(data, "monitor"), set(runtimes))
-        if monitor.port in {proxy.port, backend.port}:
-            raise self.fail("monitor.port", f"{monitor.port} is also the proxy or backend port")
+        self.listeners({"proxy": proxy, "backend": backend, "monitor": monitor})
         return Config(
             monitor=monitor,
             path=self.path,
@@ -286,6 +350,21 @@ class _Reader:
             docker=self.path_value(data, "docker", "", "/usr/bin/docker"),
             podman=self.path_value(data, "podman", "", "/usr/bin/podman"),
         )
+
+    def listeners(
+        self, sections: Mapping[str, ProxyConfig | BackendConfig | MonitorConfig]
+    ) -> None:
+        """No two listeners on one port where their addresses overlap."""
+        seen: list[tuple[str, str, int]] = []
+        for name, section in sections.items():
+            for other, host, port in seen:
+                if port == section.port and hosts_overlap(host, section.host):
+                    raise self.fail(
+                        f"{name}.port",
+                        f"{port} is also {other}.port, and {section.host!r} overlaps {host!r}",
+                        "give each listener its own port",
+                    )
+            seen.append((name, section.host, section.port))
 
     def path_value(self, data: Mapping[str, Any], key: str, prefix: str, default: str) -> str:
         value = os.path.expanduser(self.get(data, key, prefix, str, default))
@@ -308,8 +387,8 @@ class _Reader:
             port=self.get(t, "port", p, int, 8000, _port),
             model=model,
             aliases=aliases,
-            hold_s=self.get(t, "hold_s", p, float, 300.0, _positive),
-            drain_s=self.get(t, "drain_s", p, float, 60.0, _non_negative),
+            hold_s=self.get(t, "hold_s", p, float, 300.0, _range(0, HOUR_S, low_open=True)),
+            drain_s=self.get(t, "drain_s", p, float, 60.0, _range(0, HOUR_S)),
             workers=self.get(t, "workers", p, int, 2, lambda v: None if 1 <= v <= 64 else "1-64"),
             litellm=litellm,
         )
@@ -331,18 +410,19 @@ class _Reader:
         fallback = self.get(t, "fallback", p, str, "") or None
         if fallback is not None and fallback not in names:
             raise self.fail(p + "fallback", f"{fallback!r} is not a configured runtime")
-        at_least_one = lambda v: None if v >= 1 else "must be at least 1"  # noqa: E731
         return MonitorConfig(
             host=self.get(t, "host", p, str, "127.0.0.1", _host),
             port=self.get(t, "port", p, int, 9101, _port),
-            interval_s=self.get(t, "interval_s", p, float, 5.0, _positive),
-            health_timeout_s=self.get(t, "health_timeout_s", p, float, 5.0, _positive),
-            probe_completion=self.get(t, "probe_completion", p, bool, True),
-            probe_timeout_s=self.get(t, "probe_timeout_s", p, float, 30.0, _positive),
-            hang_after=self.get(t, "hang_after", p, int, 3, at_least_one),
-            restart_tries=self.get(
-                t, "restart_tries", p, int, 2, lambda v: None if v >= 0 else ">= 0"
+            interval_s=self.get(t, "interval_s", p, float, 5.0, _range(0, HOUR_S, low_open=True)),
+            health_timeout_s=self.get(
+                t, "health_timeout_s", p, float, 5.0, _range(0, 600, low_open=True)
             ),
+            probe_completion=self.get(t, "probe_completion", p, bool, True),
+            probe_timeout_s=self.get(
+                t, "probe_timeout_s", p, float, 30.0, _range(0, HOUR_S, low_open=True)
+            ),
+            hang_after=self.get(t, "hang_after", p, int, 3, _range(1, 1000)),
+            restart_tries=self.get(t, "restart_tries", p, int, 2, _range(0, 100)),
             fallback=fallback,
         )
 
@@ -350,23 +430,41 @@ class _Reader:
         p = "backend."
         self.known(t, p, {"host", "port"})
         host = self.get(t, "host", p, str, "127.0.0.1", _host)
+        if not is_loopback(host):
+            raise self.fail(
+                p + "host",
+                f"{host!r} is not a loopback address",
+                "runtimes answer without a key: only the proxy faces the network; "
+                "use 127.0.0.1, ::1 or localhost",
+            )
         return BackendConfig(host=host, port=self.get(t, "port", p, int, 8001, _port))
 
     def gpu(self, t: Mapping[str, Any]) -> GpuConfig:
         p = "gpu."
         self.known(t, p, {"device", "memory_needed_gib", "release_timeout_s"})
-        needed = self.get(t, "memory_needed_gib", p, float, 0.0, _non_negative)
+        needed = self.get(t, "memory_needed_gib", p, float, 0.0, _range(0, MAX_MEMORY_GIB))
         return GpuConfig(
             device=self.get(t, "device", p, str, "auto", _pci_address),
             memory_needed_bytes=int(needed * GIB),
-            release_timeout_s=self.get(t, "release_timeout_s", p, float, 120.0, _positive),
+            release_timeout_s=self.get(
+                t, "release_timeout_s", p, float, 120.0, _range(0, HOUR_S, low_open=True)
+            ),
         )
 
     def runtime(self, name: str, t: Mapping[str, Any], gpu: GpuConfig) -> RuntimeConfig:
         p = f"runtimes.{name}."
-        if not NAME_RE.match(name):
+        if not NAME_RE.fullmatch(name):
             raise self.fail(
-                f"runtimes.{name}", "a runtime name is 1-32 of a-z, 0-9 and '-'", "e.g. vllm-tp4"
+                f"runtimes.{name}",
+                "a runtime name is 1-32 of a-z, 0-9 and single '-' between them, "
+                "starting with a letter",
+                "e.g. vllm-tp4",
+            )
+        if name in RESERVED_NAMES:
+            raise self.fail(
+                f"runtimes.{name}",
+                f"{name!r} is a name the appliance uses for its own units",
+                "reserved: " + ", ".join(sorted(RESERVED_NAMES)),
             )
         allowed = {
             "engine",
@@ -401,12 +499,12 @@ class _Reader:
                 )
         env_table = self.table(t, "env", p)
         for key, value in env_table.items():
-            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key):
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise self.fail(p + "env." + key, "not a valid environment variable name")
             if not isinstance(value, str):
                 raise self.fail(p + "env." + key, f"must be a string, not {_kind(value)}")
         command = tuple(os.path.expanduser(c) for c in self.strings(t, "command", p))
-        image = self.get(t, "image", p, str, "") or None
+        image = self.get(t, "image", p, str, "", _image) or None
         if launcher is Launcher.NATIVE:
             if image:
                 raise self.fail(p + "image", "only container launchers use an image")
@@ -416,12 +514,14 @@ class _Reader:
                 raise self.fail(p + "image", f"missing: the {launcher} launcher runs an image")
             if command:
                 raise self.fail(p + "command", "container launchers run the image's entrypoint")
-        mmproj = self.get(t, "mmproj", p, str, "") or None
+        mmproj = self.get(t, "mmproj", p, str, "", _word) or None
         if mmproj and engine is not Engine.LLAMACPP:
             raise self.fail(p + "mmproj", "only the llamacpp engine takes a vision projector")
-        model = os.path.expanduser(self.get(t, "model", p, str, None, _nonempty))
+        if command and (problem := _executable(command[0])):
+            raise self.fail(p + "command[0]", problem)
+        model = os.path.expanduser(self.get(t, "model", p, str, None, _word))
         start_default = DEFAULT_START_TIMEOUT_S[engine]
-        needed_gib = self.get(t, "memory_needed_gib", p, float, -1.0, _non_negative)
+        needed_gib = self.get(t, "memory_needed_gib", p, float, -1.0, _range(0, MAX_MEMORY_GIB))
         return RuntimeConfig(
             name=name,
             engine=engine,
@@ -432,15 +532,17 @@ class _Reader:
             mmproj=os.path.expanduser(mmproj) if mmproj else None,
             env=dict(env_table),
             args=args,
-            devices=self.strings(t, "devices", p),
-            volumes=self.strings(t, "volumes", p),
-            shm_size=self.get(t, "shm_size", p, str, "") or None,
-            user=self.get(t, "user", p, str, "", _user_name) or None,
-            start_timeout_s=self.get(t, "start_timeout_s", p, float, start_default, _positive),
-            stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, _positive),
-            restart_burst=self.get(
-                t, "restart_burst", p, int, 3, lambda v: None if v >= 1 else ">= 1"
+            devices=self.paths(
+                t, "devices", p, "/dev/dri or /dev/dri/renderD128:/dev/dri/renderD128"
             ),
+            volumes=self.paths(t, "volumes", p, "/srv/models:/models:ro"),
+            shm_size=self.get(t, "shm_size", p, str, "", _size) or None,
+            user=self.get(t, "user", p, str, "", _user_name) or None,
+            start_timeout_s=self.get(
+                t, "start_timeout_s", p, float, start_default, _range(1, DAY_S)
+            ),
+            stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, _range(1, HOUR_S)),
+            restart_burst=self.get(t, "restart_burst", p, int, 3, _range(1, 100)),
             # [gpu] memory_needed_gib is the default for every runtime
             memory_needed_bytes=(
                 int(needed_gib * GIB) if needed_gib >= 0 else gpu.memory_needed_bytes
@@ -473,26 +575,108 @@ def _port(value: int) -> str | None:
     return None if 1 <= value <= 65535 else f"{value} is not a TCP port (1-65535)"
 
 
-def _positive(value: float) -> str | None:
-    return None if value > 0 else f"{value} must be greater than 0"
+HOUR_S = 3600
+DAY_S = 86400
+MAX_MEMORY_GIB = 1024
 
 
-def _non_negative(value: float) -> str | None:
-    return None if value >= 0 else f"{value} must not be negative"
+def _range(low: float, high: float, low_open: bool = False) -> Callable[[float], str | None]:
+    """A check that a number lies in [low, high], or (low, high] with low_open."""
+
+    def check(value: float) -> str | None:
+        if value < low or (low_open and value == low):
+            if low == 0:
+                return (
+                    f"{value} must be greater than 0"
+                    if low_open
+                    else (f"{value} must not be negative")
+                )
+            return f"{value} must be at least {low:g}"
+        if value > high:
+            return f"{value} must be at most {high:g}"
+        return None
+
+    return check
 
 
-def _nonempty(value: str) -> str | None:
-    return None if value.strip() else "must not be empty"
+def _word(value: str) -> str | None:
+    """A value that follows a flag: not empty, and not itself read as a flag."""
+    if not value.strip():
+        return "must not be empty"
+    if value.startswith("-"):
+        return f"{value!r} starts with '-', so the runtime would read it as a flag"
+    return None
+
+
+def _executable(value: str) -> str | None:
+    if value.startswith("/") or re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", value):
+        return None
+    if value[:1] in EXEC_PREFIX_CHARS:
+        return f"{value!r} starts with {value[0]!r}, which systemd reads as a prefix"
+    return f"{value!r} must be an absolute path or a bare command name"
+
+
+def _image(value: str) -> str | None:
+    if re.fullmatch(r"[a-z0-9][A-Za-z0-9._/:@-]*", value):
+        return None
+    return f"{value!r} is not a container image reference such as registry/name:tag"
+
+
+def _size(value: str) -> str | None:
+    if re.fullmatch(r"[0-9]+[bkmgBKMG]?", value):
+        return None
+    return f"{value!r} is not a size such as 8g"
+
+
+_HOSTNAME_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
 
 
 def _host(value: str) -> str | None:
-    if re.match(r"^[A-Za-z0-9.:-]+$", value):
+    try:
+        ipaddress.ip_address(value)
         return None
-    return f"{value!r} is not a host name or address"
+    except ValueError:
+        pass
+    if len(value) <= 253 and _HOSTNAME_RE.fullmatch(value):
+        return None
+    if value.startswith("[") or value.count(":") == 1:
+        return (
+            f"{value!r} is not a host name or IP address: give the port as port = N, "
+            "and an IPv6 address without brackets"
+        )
+    return f"{value!r} is not a host name or IP address"
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _address_key(host: str) -> str:
+    """What a listener's host binds: '*' for every address, one key for all of loopback."""
+    if host in WILDCARD_HOSTS:
+        return "*"
+    if is_loopback(host):
+        return "loopback"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower()
+    return "*" if ip.is_unspecified else str(ip)
+
+
+def hosts_overlap(a: str, b: str) -> bool:
+    """Whether listeners on these two hosts and one port would clash."""
+    key_a, key_b = _address_key(a), _address_key(b)
+    return "*" in (key_a, key_b) or key_a == key_b
 
 
 def _model_name(value: str) -> str | None:
-    if MODEL_NAME_RE.match(value):
+    if MODEL_NAME_RE.fullmatch(value):
         return None
     return f"{value!r} is not a model name (letters, digits and . _ : / -)"
 
@@ -504,6 +688,6 @@ def _user_name(value: str) -> str | None:
 
 
 def _pci_address(value: str) -> str | None:
-    if value == "auto" or re.match(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", value):
+    if value == "auto" or re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", value):
         return None
     return f"{value!r} is neither 'auto' nor a PCI address such as 0000:03:00.0"

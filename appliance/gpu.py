@@ -298,9 +298,13 @@ def read_holders(root: Path = Path("/")) -> ProcScan:
         except OSError:
             continue  # exited while we looked
         holder: Holder | None = None
+        hidden = False
         for fd in fds:
             client = _drm_client(pid_dir, fd)
-            if client is None or client.resident_vram_bytes == 0:
+            if client is UNREADABLE:
+                hidden = True  # a GPU client whose memory we may not see: say so, never 0
+                continue
+            if not isinstance(client, DrmClient) or client.resident_vram_bytes == 0:
                 continue
             key = (client.pdev, client.client_id)
             if client.client_id is not None and key in seen:
@@ -311,6 +315,7 @@ def read_holders(root: Path = Path("/")) -> ProcScan:
                 holders.append(holder)
             pdev = client.pdev or "?"
             holder.vram_bytes[pdev] = holder.vram_bytes.get(pdev, 0) + client.resident_vram_bytes
+        unreadable += hidden
     return ProcScan(holders, unreadable)
 
 
@@ -324,15 +329,30 @@ def _pid_dirs(proc: Path) -> Iterable[Path]:
     ]
 
 
-def _drm_client(pid_dir: Path, fd: str) -> DrmClient | None:
+UNREADABLE = object()  # a DRM fd whose fdinfo exists but may not be read
+
+
+def _drm_client(pid_dir: Path, fd: str) -> DrmClient | object | None:
+    """The DRM client behind one fd; None when it is none (or gone), UNREADABLE when hidden.
+
+    A listable fd directory does not mean a readable fdinfo: an LSM, or the kernel's ptrace
+    check, may refuse the one and not the other.
+    """
+    link = pid_dir / "fd" / fd
     try:
-        target = os.readlink(pid_dir / "fd" / fd)
+        target = os.readlink(link)
+    except FileNotFoundError:
+        return None  # closed while we looked
     except OSError:
-        return None
+        return UNREADABLE
     if not target.startswith("/dev/dri/"):
         return None
-    text = _read(pid_dir / "fdinfo" / fd)
-    return parse_fdinfo(text) if text else None
+    try:
+        text = (pid_dir / "fdinfo" / fd).read_text(errors="replace")
+    except OSError:
+        # The fd is still there (not a race with close or exit): its fdinfo is being withheld.
+        return UNREADABLE if os.path.lexists(link) else None
+    return parse_fdinfo(text)
 
 
 def _command(pid_dir: Path) -> str | None:

@@ -36,9 +36,14 @@ class Mark:
 
 def _write(path: Path, text: str) -> None:
     """Replace a file at once. Not render.write_atomic: no fsync, because the proxy writes its
-    counts on its event loop, and the mark and the counts mean nothing after a reboot."""
+    counts on its event loop, and the mark and the counts mean nothing after a reboot.
+
+    Readable by all (mkstemp makes 0600): on a system install the proxy runs as its own user and
+    reads the mark that root's `b70ctl switch` writes. The mark's token lets a request skip the
+    hold, nothing more; the request still needs the API key to get past the proxy at all."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -47,7 +52,7 @@ def _write(path: Path, text: str) -> None:
         raise
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot: a pid plus this names one process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -63,7 +68,7 @@ def marked(state_dir: Path, target: str) -> Iterator[Mark]:
     """Hold new requests at the proxy for as long as the block runs."""
     state_dir.mkdir(parents=True, exist_ok=True)
     mark = Mark(os.getpid(), target, time.time(), secrets.token_hex(16))
-    record = {**mark.__dict__, "pid_start": _start_time(mark.pid)}
+    record = {**mark.__dict__, "pid_start": start_time(mark.pid)}
     path = state_dir / HOLD_FILE
     _write(path, json.dumps(record) + "\n")
     try:
@@ -80,7 +85,7 @@ def read_mark(state_dir: Path) -> Mark | None:
         mark = Mark(pid, str(data["target"]), float(data["since"]), str(data["token"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    started = _start_time(pid)
+    started = start_time(pid)
     if started is None or started != data.get("pid_start"):
         return None  # the switch that wrote it is gone
     return mark
@@ -103,7 +108,7 @@ def write_counts(state_dir: Path, counts: HeldCounts, first: bool = False) -> No
     if first:
         for path, _ in _worker_files(folder, alive=False):
             path.unlink(missing_ok=True)
-    record = {**counts.__dict__, "pid_start": _start_time(os.getpid())}
+    record = {**counts.__dict__, "pid_start": start_time(os.getpid())}
     _write(folder / f"{os.getpid()}.json", json.dumps(record) + "\n")
 
 
@@ -120,7 +125,7 @@ def _worker_files(folder: Path, alive: bool) -> Iterator[tuple[Path, dict[str, o
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             data = {}
-        is_alive = isinstance(data, dict) and _start_time(int(stem)) == data.get("pid_start")
+        is_alive = isinstance(data, dict) and start_time(int(stem)) == data.get("pid_start")
         if is_alive == alive:
             yield path, data
 

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,16 +80,47 @@ def verify_units(files: dict[str, str], scope: Scope) -> None:
             )
 
 
-def install_config(config: Config, lay: Layout) -> bool:
-    """Keep the config the units came from where they (and b70ctl without --config) find it."""
-    text = config.path.read_text()
+@dataclass
+class ConfigChange:
+    """What install did to the installed config: the diff, and where the previous file went."""
+
+    path: str
+    diff: str
+    backup: str | None
+
+
+def install_config(config: Config, lay: Layout, now: float | None = None) -> ConfigChange | None:
+    """Keep the config the units came from where they (and b70ctl without --config) find it.
+
+    A different file already there is never lost: it is kept beside it as a dated backup, and
+    the change is reported as a diff.
+    """
     try:
-        if lay.config.read_text() == text:
-            return False
+        current: str | None = lay.config.read_text(errors="replace")
     except FileNotFoundError:
-        pass
-    write_atomic(lay.config, text)
-    return True
+        current = None
+    if current == config.text:
+        return None
+    backup = None
+    if current is not None:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        candidate = lay.config.with_name(f"{lay.config.name}.{stamp}.bak")
+        n = 1
+        while candidate.exists():
+            n += 1
+            candidate = lay.config.with_name(f"{lay.config.name}.{stamp}-{n}.bak")
+        write_atomic(candidate, current, mode=lay.config.stat().st_mode & 0o777)
+        backup = str(candidate)
+    diff = "".join(
+        difflib.unified_diff(
+            (current or "").splitlines(keepends=True),
+            config.text.splitlines(keepends=True),
+            f"{lay.config} (installed)",
+            f"{config.path}",
+        )
+    )
+    write_atomic(lay.config, config.text)
+    return ConfigChange(str(lay.config), diff, backup)
 
 
 def create_users(sysusers_file: Path) -> None:
@@ -111,6 +143,7 @@ class InstallResult:
     enabled: list[str]
     started: list[str]
     notes: list[str] = field(default_factory=list)
+    config: ConfigChange | None = None
 
 
 def install(
@@ -129,7 +162,7 @@ def install(
         lay.state_dir.mkdir(parents=True, exist_ok=True)
         for name, text in changed.items():
             write_atomic(lay.destination(name), text)
-        config_changed = install_config(config, lay)
+        config_change = install_config(config, lay)
         if SYSUSERS in changed:
             create_users(lay.destination(SYSUSERS))
         sd.reload()
@@ -145,6 +178,7 @@ def install(
             key_created=key_created,
             enabled=to_enable,
             started=[],
+            config=config_change,
         )
         if not now:
             return result
@@ -162,7 +196,7 @@ def install(
             wait_started(sd, PROXY_UNIT, 180, progress)
             result.started.append(PROXY_UNIT)
         monitor_state = sd.state(MONITOR_UNIT)
-        if monitor_state.active_state == "active" and (MONITOR_UNIT in changed or config_changed):
+        if monitor_state.active_state == "active" and (MONITOR_UNIT in changed or config_change):
             sd.manager.RestartUnit(MONITOR_UNIT.encode(), b"replace")
             result.started.append(MONITOR_UNIT)
         elif monitor_state.active_state != "active":

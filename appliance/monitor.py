@@ -31,6 +31,7 @@ from appliance import gpu, health, runtimes, state, systemd
 from appliance import hold as hold_mark
 from appliance.config import Config, Scope
 from appliance.render import PROXY_UNIT, layout, write_atomic
+from appliance.status import recover_killed_switch
 
 STATE_FILE = "monitor.json"
 FAILOVER_BACKOFF_S = 60
@@ -203,11 +204,12 @@ def act(
         log(f"failover to {action.runtime} failed: {e.message}; again in {FAILOVER_BACKOFF_S} s")
 
 
-def save(state_dir: Path, m: Memory, o: Observation | None) -> None:
+def save(state_dir: Path, m: Memory, o: Observation | None) -> dict[str, Any]:
     doc = asdict(m)
     doc["last_observation"] = asdict(o) if o else None
     doc["pid"] = os.getpid()
     write_atomic(state_dir / STATE_FILE, json.dumps(doc, sort_keys=True) + "\n")
+    return doc
 
 
 def read_state(state_dir: Path) -> dict[str, Any] | None:
@@ -218,7 +220,8 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def run(config: Config, scope: Scope, log: Any, once: bool = False) -> None:
+def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str, Any]:
+    """Sample and act every interval; with `once`, one sample, returned as the state file has it."""
     from appliance import metrics
 
     lay = layout(scope)
@@ -229,6 +232,7 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> None:
     log(f"monitoring every {mon.interval_s:g} s; metrics on http://{mon.host}:{mon.port}/metrics")
     while True:
         with systemd.connect(scope) as sd:
+            recover_killed_switch(config, sd, lay.state_dir)
             o = observe(config, sd, lay.state_dir)
             action = judge(m, o, mon.hang_after, mon.restart_tries, mon.fallback)
             if action:
@@ -239,7 +243,7 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> None:
             runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
         )
         exporter.update(o, m, units, proxy.healthy, gpu.snapshot(gpu.sysroot()), lay.state_dir)
-        save(lay.state_dir, m, o)
+        doc = save(lay.state_dir, m, o)
         if once:
-            return
+            return doc
         time.sleep(mon.interval_s)

@@ -179,7 +179,10 @@ def render_gpu(snap: Any) -> str:
                 "free is estimated from the holders"
             )
     if snap.unreadable_pids:
-        lines.append(f"note: {snap.unreadable_pids} processes could not be read (other users)")
+        lines.append(
+            f"note: {snap.unreadable_pids} processes could not be read (other users, or GPU"
+            " clients whose fdinfo is withheld): their VRAM is not in the list"
+        )
     return "\n".join(lines)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
+from appliance.hold import start_time
 from appliance.render import Layout, write_atomic
 
 LOCK_FILE = "switch.lock"
@@ -21,40 +22,102 @@ LAST_SWITCH = "last-switch.json"
 HISTORY = "switches.jsonl"
 
 
+class SwitchLock:
+    """The held lock of a running switch. Its file says who holds it and how far it got, so a
+    switch that is killed (SIGKILL: no cleanup runs) leaves a trace the next command finds."""
+
+    def __init__(self, fd: int, info: dict[str, Any], stale: dict[str, Any] | None) -> None:
+        self.fd = fd
+        self.info = info
+        # What a killed switch left in the file before this one took the lock, if anything.
+        self.stale = stale
+
+    def note(self, **fields: Any) -> None:
+        """Record how far the switch got (previous runtime, phase), in place."""
+        self.info.update(fields)
+        data = json.dumps(self.info).encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+
+    def clear_stale(self) -> None:
+        self.stale = None
+
+
 @contextmanager
-def switch_lock(state_dir: Path, target: str) -> Iterator[None]:
+def switch_lock(state_dir: Path, target: str) -> Iterator[SwitchLock]:
     """One switch at a time. A second caller is told who holds the lock."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        holder = None
-        for attempt in range(LOCK_TRIES):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                # The monitor tests the lock with a brief shared lock, which leaves no details.
-                if os.pread(fd, 1, 0) or attempt == LOCK_TRIES - 1:
-                    holder = _read_holder(fd)
-                    break
-                time.sleep(0.05)
-        if holder is not None:
+    with _locked(state_dir, wait=True) as (fd, holder):
+        if fd is None:
             raise ApplianceError(
                 f"another switch is running: {holder}",
                 hint="wait for it to finish; `b70ctl status` shows the result",
                 code="switch_in_progress",
                 exit_code=3,
             ) from None
-        info = {"pid": os.getpid(), "target": target, "started_at": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+        lock = SwitchLock(fd, {}, _stale_info(fd))
+        lock.note(
+            pid=os.getpid(),
+            pid_start=start_time(os.getpid()),
+            target=target,
+            started_at=time.time(),
+            phase="preflight",
+        )
         try:
-            yield
+            yield lock
         finally:
             os.ftruncate(fd, 0)
+
+
+@contextmanager
+def killed_switch(state_dir: Path) -> Iterator[SwitchLock | None]:
+    """The trace of a switch that was killed, with the lock held while the block runs; None if
+    there is none, or if a switch is running now. The trace is removed when the block ends if
+    the caller recovered from it (`clear_stale`), and kept for the next command otherwise."""
+    with _locked(state_dir, wait=False) as (fd, _):
+        stale = _stale_info(fd) if fd is not None else None
+        if fd is None or stale is None:
+            yield None
+            return
+        lock = SwitchLock(fd, stale, stale)
+        yield lock
+        if lock.stale is None:  # recovered: the trace goes
+            os.ftruncate(fd, 0)
+
+
+@contextmanager
+def _locked(state_dir: Path, wait: bool) -> Iterator[tuple[int | None, str]]:
+    """The switch lock's fd, held exclusively for the block; (None, who holds it) if busy."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        for attempt in range(LOCK_TRIES if wait else 1):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # The monitor tests the lock with a brief shared lock, which leaves no details.
+                if os.pread(fd, 1, 0) or attempt == LOCK_TRIES - 1 or not wait:
+                    yield None, _read_holder(fd)
+                    return
+                time.sleep(0.05)
+        try:
+            yield fd, ""
+        finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def _stale_info(fd: int) -> dict[str, Any] | None:
+    """With the lock held: what the file still says is a switch that ended without cleanup."""
+    raw = os.pread(fd, 65536, 0)
+    if not raw.strip():
+        return None
+    try:
+        info = json.loads(raw)
+    except ValueError:
+        info = None
+    return info if isinstance(info, dict) else {"target": None, "phase": None}
 
 
 def _read_holder(fd: int) -> str:

@@ -18,6 +18,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     lay = layout(scope)
     units = [rt.unit for _, rt in sorted(config.runtimes.items())] + [PROXY_UNIT, MONITOR_UNIT]
     with systemd.connect(scope) as sd:
+        killed = recover_killed_switch(config, sd, lay.state_dir)
         states = {u: sd.state(u) for u in units}
     active = [
         n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"
@@ -54,8 +55,28 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         },
         "hold": hold_view(lay.state_dir),
         "last_switch": state.last_switch(lay.state_dir),
+        # A switch that was killed while systemd still finishes what it started: recovered by
+        # the next command (or the monitor) once that job ends.
+        "killed_switch": killed,
         "monitor": monitor_view(lay.state_dir),
     }
+
+
+def recover_killed_switch(
+    config: Config, sd: systemd.Systemd, state_dir: Path
+) -> dict[str, Any] | None:
+    """Finds a switch that was killed and recovers from it without waiting (see
+    switching.recover_killed). Returns its trace while it cannot be recovered yet."""
+    with state.killed_switch(state_dir) as trace:
+        if trace is None:
+            return None
+        from appliance import switching  # only when there is something to recover
+
+        lay = layout(sd.scope)
+        if switching.recover_killed(config, lay, sd, trace.info, switching.no_progress, wait=False):
+            trace.clear_stale()
+            return None
+        return trace.info
 
 
 def hold_view(state_dir: Path) -> dict[str, Any]:

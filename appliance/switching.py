@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from appliance import gpu, health, memgate, runtimes, state, systemd
@@ -282,6 +285,7 @@ def start_runtime(
     rt: RuntimeConfig,
     progress: Progress,
     token: str | None = None,
+    lock: state.SwitchLock | None = None,
 ) -> tuple[dict[str, float], str]:
     """One StartUnit: Conflicts= stops the old runtime in the same transaction. Then verify."""
     timings: dict[str, float] = {}
@@ -299,6 +303,8 @@ def start_runtime(
         timings[SUB_STATE_PHASE.get(sub, sub)] = seconds
     timings["unit"] = time.monotonic() - t0
     t1 = time.monotonic()
+    if lock is not None:
+        lock.note(phase="verify")
     progress("verifying", f"a completion through port {config.proxy.port}")
     answer = verify_through_proxy(config, lay, token)
     timings["verified"] = time.monotonic() - t1
@@ -306,7 +312,58 @@ def start_runtime(
     return timings, answer
 
 
-def drain(config: Config, timeout_s: float, progress: Progress) -> tuple[float, int | None]:
+class SwitchInterrupted(ApplianceError):
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint, code="interrupted", exit_code=130)
+
+
+class Interrupts:
+    """SIGINT (Ctrl-C) and SIGTERM during a switch: noted, and acted on at the next safe point.
+
+    Before the target's StartUnit the switch stops there and nothing has changed. From the
+    StartUnit on, the old runtime is already stopping: the switch finishes (or rolls back) as if
+    nothing had happened, then says it was interrupted. Either way the hold is released and the
+    switch is recorded; the command exits 130.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.received: str | None = None
+        self.committed = False  # the StartUnit was sent: finish instead of stopping
+        self._saved: dict[int, Any] = {}
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._saved.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self.received = signal.Signals(signum).name
+        then = "finishing the switch" if self.committed else "stopping at the next safe point"
+        self.progress("interrupted", f"{self.received}: {then}, then exiting")
+
+    def check(self, phase: str) -> None:
+        """Stop here if a signal came and the switch has not committed to the start yet."""
+        if self.received and not self.committed:
+            raise SwitchInterrupted(
+                f"interrupted by {self.received} during {phase}, before the new runtime was "
+                "started: nothing was changed",
+            )
+
+
+def drain(
+    config: Config,
+    timeout_s: float,
+    progress: Progress,
+    stop: Callable[[], bool] = lambda: False,
+) -> tuple[float, int | None]:
     """Wait until the serving runtime has no request running or queued, up to `timeout_s`.
 
     Returns the seconds waited and what was still in flight at the end: 0 when drained, more
@@ -317,7 +374,7 @@ def drain(config: Config, timeout_s: float, progress: Progress) -> tuple[float, 
     url, empty, shown = runtimes.backend_url(config), 0, None
     while True:
         n = health.read_in_flight(url)
-        if n is None or (n == 0 and empty >= 1):
+        if n is None or (n == 0 and empty >= 1) or stop():
             return time.monotonic() - t0, n
         empty = empty + 1 if n == 0 else 0
         if n and n != shown:
@@ -346,61 +403,197 @@ def switch(
     lay = layout(scope)
     target = config.runtime(target_name)
     t0 = time.monotonic()
-    with state.switch_lock(lay.state_dir, target_name), systemd.connect(scope) as sd:
+    with (
+        state.switch_lock(lay.state_dir, target_name) as lock,
+        systemd.connect(scope) as sd,
+        Interrupts(progress) as interrupts,
+    ):
+        if lock.stale is not None:
+            recover_killed(config, lay, sd, lock.stale, progress, wait=True)
         notes = preflight(config, lay, sd, target)
         phases = {"preflight": time.monotonic() - t0}
         previous = serving_runtime(config, sd)
         if previous == target_name and not restart:
             answer = verify_through_proxy(config, lay)
             notes.append(f"{target_name} is already serving")
+            enable_only(config, sd, target_name)
             return SwitchResult(
                 target_name, previous, True, time.monotonic() - t0, phases, notes, answer
             )
-        with hold_mark.marked(lay.state_dir, target_name) as mark:
-            progress("holding", f"new requests wait at port {config.proxy.port}")
-            if previous is not None:
-                timeout = config.proxy.drain_s if drain_s is None else drain_s
-                phases["drained"], left = drain(config, timeout, progress)
-                if left:
-                    notes.append(
-                        f"drain: {left} request(s) still in flight after {timeout:g} s; "
-                        f"{previous} was given its stop timeout to finish them"
-                    )
-                elif left is None:
-                    notes.append(f"drain: {previous} did not report its requests in flight")
-            if previous == target_name:
-                progress("stopping", target.unit)
-                sd.stop(target.unit)
-                wait_stopped(sd, target.unit, runtimes.stop_timeouts(target).unit_s + 30)
-            try:
-                timings, answer = start_runtime(config, lay, sd, target, progress, mark.token)
-                if gate:
-                    t_gate = time.monotonic()
-                    progress("gating", "JSON mode and canaries")
-                    run_gate(config, lay, target_name, token=mark.token)
-                    timings["gated"] = time.monotonic() - t_gate
-            except ApplianceError as failure:
-                result = _roll_back(
-                    config, lay, sd, target, previous, failure, progress, mark.token
+        try:
+            interrupts.check("preflight")
+            return _switch_held(
+                config,
+                lay,
+                sd,
+                target,
+                previous,
+                phases,
+                notes,
+                t0,
+                lock,
+                interrupts,
+                gate,
+                drain_s,
+            )
+        except SwitchInterrupted as e:
+            result = SwitchResult(
+                target_name, previous, False, time.monotonic() - t0, phases, notes, error=e.message
+            )
+            state.record_switch(lay.state_dir, {**result.record(), "interrupted": True})
+            raise
+
+
+def _switch_held(
+    config: Config,
+    lay: Layout,
+    sd: systemd.Systemd,
+    target: RuntimeConfig,
+    previous: str | None,
+    phases: dict[str, float],
+    notes: list[str],
+    t0: float,
+    lock: state.SwitchLock,
+    interrupts: Interrupts,
+    gate: bool,
+    drain_s: float | None,
+) -> SwitchResult:
+    """Steps 3-7 of the switch, with new requests held at the proxy."""
+    target_name = target.name
+    scope = lay.scope
+    with hold_mark.marked(lay.state_dir, target_name) as mark:
+        lock.note(previous=previous, phase="hold")
+        progress = interrupts.progress
+        progress("holding", f"new requests wait at port {config.proxy.port}")
+        if previous is not None:
+            lock.note(phase="drain")
+            timeout = config.proxy.drain_s if drain_s is None else drain_s
+            phases["drained"], left = drain(
+                config, timeout, progress, lambda: interrupts.received is not None
+            )
+            interrupts.check("the drain")
+            if left:
+                notes.append(
+                    f"drain: {left} request(s) still in flight after {timeout:g} s; "
+                    f"{previous} was given its stop timeout to finish them"
                 )
-                result.phases = phases
-                result.seconds = time.monotonic() - t0
-                result.notes = notes
-                state.record_switch(lay.state_dir, result.record())
-                raise ApplianceError(
-                    result.error or failure.message,
-                    hint=f"journal: {' '.join(systemd.journal_command(scope, target.unit, 50))}",
-                    code="switch_failed",
-                    details={"switch": result.record(), "journal": result.journal},
-                ) from failure
-        phases.update(timings)
-        sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != target_name])
-        sd.enable([target.unit])
-        result = SwitchResult(
-            target_name, previous, True, time.monotonic() - t0, phases, notes, answer
+            elif left is None:
+                notes.append(f"drain: {previous} did not report its requests in flight")
+        interrupts.check("the drain")
+        interrupts.committed = True
+        lock.note(phase="start")
+        if previous == target_name:
+            progress("stopping", target.unit)
+            sd.stop(target.unit)
+            wait_stopped(sd, target.unit, runtimes.stop_timeouts(target).unit_s + 30)
+        try:
+            timings, answer = start_runtime(config, lay, sd, target, progress, mark.token, lock)
+            if gate:
+                lock.note(phase="gate")
+                t_gate = time.monotonic()
+                progress("gating", "JSON mode and canaries")
+                run_gate(config, lay, target_name, token=mark.token)
+                timings["gated"] = time.monotonic() - t_gate
+        except ApplianceError as failure:
+            lock.note(phase="rollback")
+            result = _roll_back(config, lay, sd, target, previous, failure, progress, mark.token)
+            result.phases = phases
+            result.seconds = time.monotonic() - t0
+            result.notes = notes
+            state.record_switch(
+                lay.state_dir, {**result.record(), "interrupted": interrupts.received is not None}
+            )
+            raise ApplianceError(
+                result.error or failure.message,
+                hint=f"journal: {' '.join(systemd.journal_command(scope, target.unit, 50))}",
+                code="switch_failed",
+                details={"switch": result.record(), "journal": result.journal},
+            ) from failure
+    phases.update(timings)
+    enable_only(config, sd, target_name)
+    result = SwitchResult(target_name, previous, True, time.monotonic() - t0, phases, notes, answer)
+    state.record_switch(
+        lay.state_dir, {**result.record(), "interrupted": interrupts.received is not None}
+    )
+    if interrupts.received:
+        raise SwitchInterrupted(
+            f"interrupted by {interrupts.received} after {target_name} had begun to start; the "
+            f"switch was finished: {target_name} is serving",
         )
-        state.record_switch(lay.state_dir, result.record())
-        return result
+    return result
+
+
+def enable_only(config: Config, sd: systemd.Systemd, name: str) -> None:
+    """Make runtime `name` the one that starts at boot, and no other."""
+    sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != name])
+    sd.enable([config.runtime(name).unit])
+
+
+def recover_killed(
+    config: Config,
+    lay: Layout,
+    sd: systemd.Systemd,
+    trace: dict[str, Any],
+    progress: Progress,
+    wait: bool,
+) -> str | None:
+    """After a switch that was killed (no cleanup ran): record it, and leave one runtime serving
+    that is also the one enabled at boot. Returns what was done, or None while systemd is still
+    finishing a job the killed switch started (then the trace stays for the next command).
+
+    1. A runtime unit still has a job pending: with `wait`, wait for it; else come back later.
+    2. One runtime serves: it becomes the one enabled at boot.
+    3. None serves: the one enabled at boot is started (the default runtime if none is).
+    """
+    units = {name: rt.unit for name, rt in config.runtimes.items()}
+    for rt in config.runtimes.values():
+        if not sd.state(rt.unit).job_pending:
+            continue
+        if not wait:
+            return None
+        progress("recovering", f"waiting for systemd to finish its job on {rt.unit}")
+        _wait_settled(sd, rt.unit, rt.start_timeout_s + runtimes.stop_timeouts(rt).unit_s + 30)
+    serving = serving_runtime(config, sd)
+    if serving is not None:
+        done = f"{serving} is serving; it is now the runtime enabled at boot"
+        enable_only(config, sd, serving)
+    else:
+        enabled = [n for n, u in sorted(units.items()) if sd.state(u).unit_file_state == "enabled"]
+        name = enabled[0] if enabled else config.default_runtime
+        rt = config.runtime(name)
+        progress("recovering", f"no runtime is serving: starting {rt.unit}")
+        sd.reset_failed(rt.unit)
+        sd.start(rt.unit)
+        enable_only(config, sd, name)
+        done = f"no runtime was serving; started {name}, the runtime enabled at boot"
+        if wait:
+            try:
+                wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+            except ApplianceError as e:
+                done += f", which failed: {e.message}"
+    (lay.state_dir / hold_mark.HOLD_FILE).unlink(missing_ok=True)
+    pid, phase = trace.get("pid"), trace.get("phase")
+    error = f"b70ctl switch (pid {pid}) was killed during {phase or 'its start-up'}; {done}"
+    record: dict[str, Any] = {
+        "at": time.time(),
+        "from": trace.get("previous"),
+        "to": trace.get("target"),
+        "ok": False,
+        "seconds": round(time.time() - float(trace.get("started_at") or time.time()), 3),
+        "phases": {},
+        "rolled_back": False,
+        "interrupted": True,
+        "error": error,
+    }
+    state.record_switch(lay.state_dir, record)
+    progress("recovered", error)
+    return done
+
+
+def _wait_settled(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sd.state(unit).job_pending and time.monotonic() < deadline:
+        time.sleep(POLL_S)
 
 
 def run_gate(

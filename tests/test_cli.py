@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
 import click
 import pytest
 from click.testing import CliRunner
 
 from appliance.cli import cli
-from tests.conftest import REPO
+from tests.conftest import B70CTL, REPO
 
 COMMANDS = sorted(name for name, cmd in cli.commands.items() if not cmd.hidden)
 
@@ -57,3 +63,112 @@ def test_version() -> None:
     result = CliRunner().invoke(cli, ["--version"])
     assert result.exit_code == 0 and "version" in result.output
     assert isinstance(cli, click.Group)
+
+
+def _all_commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        out.append((*prefix, name))
+        if isinstance(cmd, click.Group):
+            out += _all_commands(cmd, (*prefix, name))
+    return out
+
+
+# Every command, with the arguments it needs; each is run against broken inputs below.
+ARGS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("bench",): (),
+    ("gate",): (),
+    ("gpu",): (),
+    ("gpu", "wait-free"): ("--need-gib", "1", "--timeout", "0"),
+    ("install",): (),
+    ("logs",): ("vllm",),
+    ("monitor",): ("--once",),
+    ("plan",): ("CONFIG_JSON",),
+    ("render",): (),
+    ("status",): (),
+    ("switch",): ("vllm",),
+    ("uninstall",): (),
+    ("unit",): (),
+    ("unit", "pre"): ("--port", "1"),
+    ("unit", "ready"): ("--url", "http://127.0.0.1:1", "--engine", "llamacpp", "--pid", "4194304"),
+}
+
+
+def test_the_json_table_covers_every_command() -> None:
+    assert sorted(ARGS) == _all_commands(cli)
+
+
+def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [B70CTL, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def _envelope(out: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr
+    doc: dict[str, Any] = json.loads(out.stdout)  # exactly one document
+    assert doc["version"] == 1
+    return doc
+
+
+@pytest.fixture
+def broken(tmp_path: Path) -> dict[str, Path]:
+    """Broken inputs: configs that are not UTF-8, not TOML, a directory, unreadable JSON."""
+    (tmp_path / "latin1.toml").write_bytes(b'default_runtime = "x\xe9"\n')
+    (tmp_path / "syntax.toml").write_text("default_runtime = \n")
+    (tmp_path / "dir.toml").mkdir()
+    (tmp_path / "inf.toml").write_text(
+        'default_runtime = "vllm"\n[runtimes.vllm]\nengine = "vllm"\nmodel = "/m"\n'
+        "start_timeout_s = inf\n"
+    )
+    (tmp_path / "plan.json").write_bytes(b"\xff\xfe{")
+    return {p.stem: p for p in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("command", sorted(ARGS), ids=" ".join)
+@pytest.mark.parametrize("config_name", ["latin1", "syntax", "dir", "inf"])
+def test_every_command_with_json_prints_the_envelope_on_broken_input(
+    command: tuple[str, ...], config_name: str, broken: dict[str, Path], tmp_path: Path
+) -> None:
+    env = dict(
+        os.environ, B70_SYSROOT=str(tmp_path / "no-such-root"), XDG_RUNTIME_DIR=str(tmp_path)
+    )
+    args = [a if a != "CONFIG_JSON" else str(broken["plan"]) for a in ARGS[command]]
+    argv = ["--user", "--config", str(broken[config_name]), *command, *args, "--json"]
+    if command in {("unit",)}:
+        argv = ["unit", "--json"]  # a group without a command of its own: a usage error
+    out = _run(argv, env)
+    doc = _envelope(out)
+    if command in {("gpu",), ("gpu", "wait-free"), ("unit", "pre")}:
+        # These read no config: with no GPU (and a free port) they succeed.
+        assert out.returncode == 0 and doc["ok"] is True, out.stdout
+        return
+    assert out.returncode != 0 and doc["ok"] is False
+    assert doc["error"]["message"] and doc["error"]["code"]
+    assert out.stderr == "" or "Traceback" not in out.stderr
+
+
+def test_usage_errors_with_json_are_envelopes_too(tmp_path: Path) -> None:
+    out = _run(["switch", "--json"], dict(os.environ))
+    doc = _envelope(out)
+    assert out.returncode == 2 and doc["ok"] is False
+    assert doc["error"]["code"] == "usage_error"
+    assert "Missing argument 'NAME'" in doc["error"]["message"]
+    out = _run(["logs", "vllm", "-n", "x", "--json"], dict(os.environ))
+    assert _envelope(out)["error"]["code"] == "usage_error" and out.returncode == 2
+
+
+def test_an_os_error_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+    good = REPO / "examples" / "b70.toml"
+    out = _run(["--config", str(good), "render", "--out", "/proc/x"], dict(os.environ))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.startswith("error: /proc/x") and "hint: " in out.stderr
+    doc = _envelope(
+        _run(["--config", str(good), "render", "--out", "/proc/x", "--json"], dict(os.environ))
+    )
+    assert doc["ok"] is False and doc["error"]["code"] == "os_error"

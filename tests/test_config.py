@@ -106,7 +106,7 @@ BAD = [
     (
         "negative timeout",
         GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\nstart_timeout_s = -5'),
-        "runtimes.vllm.start_timeout_s: -5.0 must be greater than 0",
+        "runtimes.vllm.start_timeout_s: -5.0 must be at least 1",
     ),
     (
         "mmproj on vllm",
@@ -146,6 +146,163 @@ BAD = [
         "runtimes.vllm.command: container launchers",
     ),
 ]
+
+# Values that would reach further than they should: into another line of a unit file, another
+# listener's port, another unit's name, or a flag of the runtime.
+REACH = [
+    (
+        "newline in an arg",
+        GOOD.replace(
+            'model = "/models/hf"',
+            'model = "/models/hf"\nargs = ["--x", "a\\nExecStartPre=/bin/sh -c id"]',
+        ),
+        "runtimes.vllm.args[1]: holds the control character '\\n' at position 1",
+    ),
+    (
+        "NUL in an arg",
+        GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\nargs = ["a\\u0000b"]'),
+        "runtimes.vllm.args[0]: holds the control character '\\x00'",
+    ),
+    (
+        "carriage return in an env value",
+        GOOD + '\n[runtimes.vllm.env]\nHF_HOME = "/x\\r"\n',
+        "runtimes.vllm.env.HF_HOME: holds the control character '\\r'",
+    ),
+    (
+        "newline in a model path",
+        GOOD.replace('model = "/models/hf"', 'model = """/models/hf\nExecStartPre=/bin/true"""'),
+        "runtimes.vllm.model: holds the control character '\\n'",
+    ),
+    (
+        "DEL in the proxy host",
+        GOOD.replace("port = 8000", 'port = 8000\nhost = "a\\u007fb"'),
+        "proxy.host: holds the control character '\\x7f'",
+    ),
+    (
+        "tab in a command word",
+        GOOD.replace('["/usr/bin/true"]', '["/usr/bin/true", "a\\tb"]'),
+        "runtimes.llamacpp.command[1]: holds the control character '\\t'",
+    ),
+    (
+        "newline in a key",
+        GOOD + '\n[runtimes.vllm.env]\n"A\\nB" = "x"\n',
+        "runtimes.vllm.env: holds the control character '\\n'",
+    ),
+    (
+        "a runtime named like the proxy's unit",
+        GOOD.replace("[runtimes.vllm]", "[runtimes.litellm]"),
+        "runtimes.litellm: 'litellm' is a name the appliance uses for its own units",
+    ),
+    (
+        "a runtime named like the monitor",
+        GOOD.replace("[runtimes.vllm]", "[runtimes.monitor]"),
+        "runtimes.monitor: 'monitor' is a name the appliance uses",
+    ),
+    (
+        "a runtime name with a double dash",
+        GOOD.replace("[runtimes.vllm]", "[runtimes.a--b]"),
+        "runtimes.a--b: a runtime name",
+    ),
+    (
+        "a runtime name ending in a dash",
+        GOOD.replace("[runtimes.vllm]", "[runtimes.vllm-]"),
+        "runtimes.vllm-: a runtime name",
+    ),
+    (
+        "a runtime name starting with a digit",
+        GOOD.replace("[runtimes.vllm]", "[runtimes.4vllm]"),
+        "runtimes.4vllm: a runtime name",
+    ),
+    (
+        "host with a port",
+        GOOD + '\n[backend]\nhost = "127.0.0.1:8001"\n',
+        "backend.host: '127.0.0.1:8001' is not a host name or IP address: give the port as port = N",
+    ),
+    (
+        "bracketed IPv6 host",
+        GOOD + '\n[backend]\nhost = "[::1]"\n',
+        "backend.host: '[::1]' is not a host name or IP address",
+    ),
+    (
+        "a backend facing the network",
+        GOOD + '\n[backend]\nhost = "0.0.0.0"\n',
+        "backend.host: '0.0.0.0' is not a loopback address",
+    ),
+    (
+        "backend on localhost, proxy on 127.0.0.1, one port",
+        GOOD + '\n[backend]\nhost = "localhost"\nport = 8000\n',
+        "backend.port: 8000 is also proxy.port, and 'localhost' overlaps '127.0.0.1'",
+    ),
+    (
+        "proxy on every address, monitor on loopback, one port",
+        GOOD.replace("port = 8000", 'port = 8000\nhost = "0.0.0.0"') + "\n[monitor]\nport = 8000\n",
+        "monitor.port: 8000 is also proxy.port, and '127.0.0.1' overlaps '0.0.0.0'",
+    ),
+    (
+        "proxy on ::, backend on ::1, one port",
+        GOOD.replace("port = 8000", 'port = 8000\nhost = "::"')
+        + '\n[backend]\nhost = "::1"\nport = 8000\n',
+        "backend.port: 8000 is also proxy.port",
+    ),
+    (
+        "infinite start timeout",
+        GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\nstart_timeout_s = inf'),
+        "runtimes.vllm.start_timeout_s: inf is not a finite number",
+    ),
+    (
+        "NaN hold time",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nhold_s = nan'),
+        "proxy.hold_s: nan is not a finite number",
+    ),
+    (
+        "infinite memory",
+        GOOD + "\n[gpu]\nmemory_needed_gib = inf\n",
+        "gpu.memory_needed_gib: inf is not a finite number",
+    ),
+    (
+        "more memory than any card",
+        GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\nmemory_needed_gib = 1e300'),
+        "runtimes.vllm.memory_needed_gib: 1e+300 must be at most 1024",
+    ),
+    (
+        "a start timeout of a year",
+        GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\nstart_timeout_s = 31536000'),
+        "runtimes.vllm.start_timeout_s: 31536000.0 must be at most 86400",
+    ),
+    (
+        "a huge integer",
+        GOOD.replace(
+            'model = "/models/hf"', 'model = "/models/hf"\nrestart_burst = 9223372036854775807'
+        ),
+        "runtimes.vllm.restart_burst: 9223372036854775807 must be at most 100",
+    ),
+    (
+        "a command with systemd's privilege prefix",
+        GOOD.replace('["/usr/bin/true"]', '["+/usr/bin/true"]'),
+        "runtimes.llamacpp.command[0]: '+/usr/bin/true' starts with '+', which systemd reads as a prefix",
+    ),
+    (
+        "an image that is a flag",
+        GOOD.replace(
+            'engine = "vllm"', 'engine = "vllm"\nlauncher = "docker"\nimage = "--privileged"'
+        ),
+        "runtimes.vllm.image: '--privileged' is not a container image reference",
+    ),
+    (
+        "a model that is a flag",
+        GOOD.replace('model = "/models/hf"', 'model = "--trust-remote-code"'),
+        "runtimes.vllm.model: '--trust-remote-code' starts with '-'",
+    ),
+    (
+        "a relative device",
+        GOOD.replace(
+            'engine = "vllm"',
+            'engine = "vllm"\nlauncher = "docker"\nimage = "vllm/vllm:1"\ndevices = ["dri"]',
+        ),
+        "runtimes.vllm.devices[0]: 'dri' must start with an absolute path",
+    ),
+]
+BAD += REACH
 
 
 def test_the_examples_load() -> None:
@@ -223,3 +380,38 @@ def test_install_writes_nothing_when_systemd_analyze_verify_fails(
     assert "do not pass `systemd-analyze verify`; nothing was installed" in result.stderr
     assert "Command /nonexistent/llama-server is not executable" in result.stderr
     assert tree_snapshot(tmp_path) == before
+
+
+def test_a_config_that_is_not_utf8_names_the_byte(tmp_path: Path) -> None:
+    path = tmp_path / "appliance.toml"
+    path.write_bytes(GOOD.encode() + b"\n# caf\xe9\n")
+    offset = len(GOOD.encode()) + len(b"\n# caf")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(path)
+    assert (
+        e.value.message
+        == f"{path}: not UTF-8: byte {offset} (line {GOOD.count(chr(10)) + 2}) is 0xe9"
+    )
+    result = CliRunner().invoke(cli, ["--config", str(path), "render"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert f"not UTF-8: byte {offset}" in result.stderr
+
+
+def test_hosts_that_do_not_clash() -> None:
+    assert not config.hosts_overlap("127.0.0.1", "192.168.1.5")
+    assert not config.hosts_overlap("10.0.0.1", "10.0.0.2")
+    assert config.hosts_overlap("::", "127.0.0.1")
+    assert config.hosts_overlap("localhost", "::1")
+    assert config.hosts_overlap("0.0.0.0", "box.lan")
+
+
+def test_numbers_in_range_and_names_that_pass() -> None:
+    text = GOOD.replace("[runtimes.vllm]", "[runtimes.vllm-tp4]").replace(
+        'model = "/models/hf"',
+        'model = "/models/hf"\nstart_timeout_s = 86400\nmemory_needed_gib = 0\n'
+        'args = ["--chat-template", "{% if x %}$HOME \\\\ \\"q\\" ; caf\u00e9"]',
+    )
+    cfg = config.parse(text, Path("t.toml"))
+    rt = cfg.runtimes["vllm-tp4"]
+    assert rt.start_timeout_s == 86400 and rt.memory_needed_bytes == 0
+    assert rt.args[1] == '{% if x %}$HOME \\ "q" ; caf\u00e9'

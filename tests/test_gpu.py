@@ -281,6 +281,41 @@ def test_proc_entries_of_other_users_cannot_be_read(readable_tree: Path) -> None
     assert json.loads(out.stdout) == [1, [4242]]
 
 
+SETPRIV_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def test_a_gpu_client_whose_fdinfo_is_withheld_is_counted_as_unreadable(
+    readable_tree: Path,
+) -> None:
+    # An LSM may let a process's fd directory be listed and still refuse its fdinfo: the VRAM it
+    # holds must not silently vanish.
+    t.build(readable_tree, [t.Card(t.B70)], [t.llama_server(), t.foreign(pid=7000)])
+    (readable_tree / "proc" / "7000" / "fdinfo").chmod(0o700)
+    code = (
+        "import json, sys; from pathlib import Path; from appliance import gpu; "
+        "s = gpu.read_holders(Path(sys.argv[1])); "
+        "print(json.dumps([s.unreadable_pids, [h.pid for h in s.holders]]))"
+    )
+    out = subprocess.run(
+        [*SETPRIV_NOBODY, sys.executable, "-c", code, str(readable_tree)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert json.loads(out.stdout) == [1, [4242]]
+
+
+def test_fdinfo_that_cannot_be_read_as_root_either(tree: Path) -> None:
+    t.build(tree, [t.Card(t.B70)], [t.llama_server(), t.foreign(pid=7000)])
+    fdinfo = tree / "proc" / "7000" / "fdinfo" / "9"
+    fdinfo.unlink()
+    fdinfo.mkdir()  # read() fails with EISDIR while the fd is still open
+    scan = gpu.read_holders(tree)
+    assert scan.unreadable_pids == 1 and [h.pid for h in scan.holders] == [4242]
+    assert "1 processes could not be read" in b70ctl("gpu", "--root", str(tree)).stdout
+
+
 # --- b70ctl gpu and wait-free ------------------------------------------------------------------
 
 
