@@ -76,6 +76,14 @@ def _command(pid: int | None) -> str | None:
         return None
 
 
+def foreign_listeners(port: int, main_pids: list[int]) -> list[Listener]:
+    """Processes listening on `port` that are not in the process tree of any of `main_pids`."""
+    ours: set[int] = set()
+    for pid in main_pids:
+        ours |= process_tree(pid)
+    return [listener for listener in listeners(port) if listener.pid not in ours]
+
+
 def describe(found: list[Listener]) -> str:
     parts = []
     for listener in found:

@@ -212,6 +212,26 @@ def save(state_dir: Path, m: Memory, o: Observation | None) -> dict[str, Any]:
     return doc
 
 
+# What survives a restart of the monitor: its counters and what it last saw and did; not what it
+# was in the middle of (failures in a row, a backoff).
+KEPT = {
+    "restarts_by_monitor": int,
+    "failovers": int,
+    "last_failure": dict,
+    "last_action": dict,
+}
+
+
+def restore(state_dir: Path) -> Memory:
+    m = Memory()
+    data = read_state(state_dir) or {}
+    for key, kind in KEPT.items():
+        value = data.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool):
+            setattr(m, key, value)
+    return m
+
+
 def read_state(state_dir: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((state_dir / STATE_FILE).read_text())
@@ -228,7 +248,7 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
     mon = config.monitor
     exporter = metrics.Exporter(config)
     exporter.serve(mon.host, mon.port)
-    m = Memory()
+    m = restore(lay.state_dir)
     log(f"monitoring every {mon.interval_s:g} s; metrics on http://{mon.host}:{mon.port}/metrics")
     while True:
         with systemd.connect(scope) as sd:

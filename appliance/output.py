@@ -54,11 +54,11 @@ def table(rows: list[list[str]]) -> str:
 
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"runtime   {s['active_runtime'] or ', '.join(s['active_runtimes']) or 'none active'}"]
-    rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID"]]
+    rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID", "RESTARTS"]]
     for u in s["units"]:
-        rows.append(
-            [u["unit"], u["active"], u["sub"], u["enabled"] or "-", str(u["main_pid"] or "-")]
-        )
+        restarts = "-" if u.get("restarts") is None else str(u["restarts"])
+        pid = str(u["main_pid"] or "-")
+        rows.append([u["unit"], u["active"], u["sub"], u["enabled"] or "-", pid, restarts])
     lines.append(table(rows))
     for key in ("backend", "proxy"):
         p = s[key]
@@ -78,12 +78,22 @@ def render_status(s: dict[str, Any]) -> str:
         outcome = (
             "ok" if last["ok"] else ("failed, rolled back" if last["rolled_back"] else "failed")
         )
+        if last.get("interrupted"):
+            outcome += ", interrupted"
         lines.append(
             f"last switch  {last['from'] or '-'} -> {last['to']} at {when}, "
             f"{last['seconds']:.1f} s, {outcome}"
         )
+        if last.get("error"):
+            lines.append("  " + last["error"].splitlines()[0])
     else:
         lines.append("last switch  none")
+    killed = s.get("killed_switch")
+    if killed:
+        lines.append(
+            f"killed switch  to {killed.get('target')} (pid {killed.get('pid')}) during "
+            f"{killed.get('phase')}: waiting for systemd to finish, then it is recovered"
+        )
     mon = s.get("monitor")
     if mon:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mon["up_since"]))

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import health, hold, runtimes, state, systemd
-from appliance.config import Config, Scope
+from appliance.config import Config, Launcher, Scope
 from appliance.render import (
     MONITOR_UNIT,
     PROXY_UNIT,
@@ -25,6 +25,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     ]
     backend = health.probe(runtimes.backend_url(config) + "/health")
     proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
+    foreign = backend_squatter(config, states)
     return {
         "scope": scope.value,
         "config": str(config.path),
@@ -40,13 +41,15 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
                 "main_pid": s.main_pid,
                 "result": s.result,
                 "since_us": s.active_enter_us,
+                "restarts": s.n_restarts,  # systemd's own count (NRestarts)
             }
             for s in states.values()
         ],
         "backend": {
             "url": runtimes.backend_url(config),
-            "healthy": backend.healthy,
-            "detail": backend.detail,
+            "healthy": backend.healthy and foreign is None,
+            "detail": backend.detail if foreign is None else f"{backend.detail}; {foreign}",
+            "foreign_listener": foreign,
         },
         "proxy": {
             "url": runtimes.proxy_url(config),
@@ -60,6 +63,24 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         "killed_switch": killed,
         "monitor": monitor_view(lay.state_dir),
     }
+
+
+def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> str | None:
+    """A process on the backend port that no runtime unit started, named; None if there is none.
+
+    A container runtime serves from a process outside its unit: while one runs, nothing is named.
+    """
+    running = [rt for rt in config.runtimes.values() if states[rt.unit].main_pid]
+    if any(rt.launcher is not Launcher.NATIVE for rt in running):
+        return None
+    pids = [states[rt.unit].main_pid or 0 for rt in running]
+    found = health.foreign_listeners(config.backend.port, pids)
+    if not found:
+        return None
+    return (
+        f"port {config.backend.port} is held by {health.describe(found)}, "
+        "which is not part of the appliance"
+    )
 
 
 def recover_killed_switch(

@@ -174,12 +174,8 @@ def container_pids(config: Config) -> set[int]:
 
 def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> None:
     """Refuse a port that a process outside `units` listens on, naming that process."""
-    ours: set[int] = set()
-    for unit in units:
-        pid = sd.state(unit).main_pid
-        if pid:
-            ours |= health.process_tree(pid)
-    foreign = [lst for lst in health.listeners(port) if lst.pid not in ours]
+    pids = [pid for unit in units if (pid := sd.state(unit).main_pid)]
+    foreign = health.foreign_listeners(port, pids)
     if foreign:
         raise ApplianceError(
             f"the {role} port {port} is held by {health.describe(foreign)}, "
@@ -486,6 +482,7 @@ def _switch_held(
             progress("stopping", target.unit)
             sd.stop(target.unit)
             wait_stopped(sd, target.unit, runtimes.stop_timeouts(target).unit_s + 30)
+        started_at = time.time()  # the failed start's journal lines are the ones after this
         try:
             timings, answer = start_runtime(config, lay, sd, target, progress, mark.token, lock)
             if gate:
@@ -496,7 +493,9 @@ def _switch_held(
                 timings["gated"] = time.monotonic() - t_gate
         except ApplianceError as failure:
             lock.note(phase="rollback")
-            result = _roll_back(config, lay, sd, target, previous, failure, progress, mark.token)
+            result = _roll_back(
+                config, lay, sd, target, previous, failure, progress, mark.token, started_at
+            )
             result.phases = phases
             result.seconds = time.monotonic() - t0
             result.notes = notes
@@ -630,8 +629,9 @@ def _roll_back(
     failure: ApplianceError,
     progress: Progress,
     token: str,
+    since: float | None = None,
 ) -> SwitchResult:
-    journal = systemd.journal_excerpt(lay.scope, target.unit)
+    journal = systemd.journal_excerpt(lay.scope, target.unit, since=since)
     reason = f"switch to {target.name} failed: {failure.message}"
     if journal:
         tail = "\n".join("    " + line for line in journal.splitlines()[-12:])

@@ -179,8 +179,13 @@ def systemctl_command(scope: Scope) -> str:
     return "systemctl --user" if scope is Scope.USER else "systemctl"
 
 
-def journal_command(scope: Scope, unit: str, lines: int, follow: bool = False) -> list[str]:
+def journal_command(
+    scope: Scope, unit: str, lines: int, follow: bool = False, since: float | None = None
+) -> list[str]:
+    """journalctl for a unit's last `lines`; `since` (epoch seconds) leaves out older lines."""
     argv = ["journalctl", "--no-pager", "-o", "short-iso", "-n", str(lines)]
+    if since is not None:
+        argv.append(f"--since=@{since:.6f}")
     journal_dir = os.environ.get("B70_JOURNAL_DIR")
     if journal_dir:
         argv += ["-D", journal_dir]  # a private manager's own journald (scripts/user-manager)
@@ -192,10 +197,13 @@ def journal_command(scope: Scope, unit: str, lines: int, follow: bool = False) -
     return argv
 
 
-def journal_excerpt(scope: Scope, unit: str, lines: int = 30) -> str:
+def journal_excerpt(scope: Scope, unit: str, lines: int = 30, since: float | None = None) -> str:
     try:
         out = subprocess.run(
-            journal_command(scope, unit, lines), capture_output=True, text=True, timeout=10
+            journal_command(scope, unit, lines, since=since),
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.TimeoutExpired):
         return ""

@@ -65,8 +65,18 @@ def test_render_diff_and_a_second_install(fresh: Appliance) -> None:
     assert stale.returncode == 1
     assert "b70-llamacpp.service differs from what" in stale.stderr
     assert "hint: run `b70ctl render --diff` to see how, then `b70ctl install`" in stale.stderr
+    installed = Path(fresh.manager.env["XDG_CONFIG_HOME"]) / "b70" / "appliance.toml"
+    previous = installed.read_text()
     third = fresh.json("install")["result"]
     assert [Path(p).name for p in third["written"]] == ["b70-llamacpp.service"]
+    # The installed config is replaced only with a word, and kept as a dated backup.
+    change = third["config"]
+    assert change["path"] == str(installed) and installed.read_text() == text
+    backup = Path(change["backup"])
+    assert backup.parent == installed.parent and backup.name.startswith("appliance.toml.")
+    assert backup.name.endswith(".bak") and backup.read_text() == previous
+    assert '-args = ["-c", "2048", "--parallel", "2", "--threads", "2"]' in change["diff"]
+    assert '+args = ["-c", "2048", "--parallel", "2", "--threads", "1"]' in change["diff"]
     assert third["notes"] == [
         "b70-llamacpp.service changed while it runs; `b70ctl switch llamacpp --restart` applies it"
     ]

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from appliance import hold, proxy_hook
-from appliance.monitor import Action, Memory, Observation, judge
+from appliance.monitor import Action, Memory, Observation, judge, restore, save
 from tests.conftest import (
     GGUF,
     LLAMA_SERVER,
@@ -63,6 +63,18 @@ def test_policy_forgets_failures_once_healthy_and_waits_while_starting() -> None
     assert (
         run_policy([sick, obs(), sick, obs(unit="activating", healthy=False), sick]) == [None] * 5
     )
+
+
+def test_counters_survive_a_restart_of_the_monitor(tmp_path: Path) -> None:
+    m = Memory(failures=2, restarts_by_monitor=3, failovers=1, hold_until=time.time() + 60)
+    m.last_action = {"what": "restart", "runtime": "llamacpp", "reason": "hung", "result": "ok"}
+    save(tmp_path, m, None)
+    again = restore(tmp_path)
+    assert (again.restarts_by_monitor, again.failovers, again.last_action) == (3, 1, m.last_action)
+    # What it was in the middle of starts afresh.
+    assert again.failures == 0 and again.hold_until == 0.0
+    (tmp_path / "monitor.json").write_text('{"restarts_by_monitor": "x", "failovers": true}')
+    assert (restore(tmp_path).restarts_by_monitor, restore(tmp_path).failovers) == (0, 0)
 
 
 def test_policy_fails_over_from_a_failed_unit_but_not_during_a_switch_or_without_fallback() -> None:
