@@ -63,3 +63,36 @@ def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Applia
     assert s["all"]["failed"] == 0, s["errors"]
     assert s["all"]["truncated"] == 0, s["errors"]
     assert s["steady_phase"]["succeeded"] >= 32
+
+
+def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Appliance) -> None:
+    """scripts/soak, shortened: load with switches, and RSS and fds of every part sampled."""
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        [
+            *(sys.executable, str(REPO / "scripts" / "soak.py"), "--user"),
+            *("--config", str(appliance.config), "--minutes", "1.5", "--switch-every", "0.4"),
+            *("--clients", "4", "--sample-s", "2", "--warmup-s", "10", "--max-growth", "0.5"),
+            "--json",
+        ],
+        env=appliance.manager.env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr + out.stdout[-2000:]
+    doc = json.loads(out.stdout)
+    assert doc["requests"]["failed"] == 0 and doc["requests"]["truncated"] == 0
+    assert doc["requests"]["succeeded"] >= 20 and doc["switches"] >= 2
+    assert doc["switches_failed"] == 0
+    samples = doc["samples"]
+    assert len(samples) >= 20
+    for part in ("proxy", "monitor"):
+        assert all(s["rss_bytes"][part] > 0 and s["fds"][part] > 0 for s in samples), part
+    # No runtime serves for a moment in each switch; most of the time one does.
+    serving = [s for s in samples if s["runtime"]]
+    assert len(serving) > len(samples) / 2
+    assert all(s["rss_bytes"]["runtime"] > 0 and s["fds"]["runtime"] > 0 for s in serving)
+    assert {s["runtime"] for s in serving} == {"llamacpp", "vllm"}
