@@ -257,6 +257,7 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
             action = judge(m, o, mon.hang_after, mon.restart_tries, mon.fallback)
             if action:
                 act(config, scope, sd, action, m, log)
+                save(lay.state_dir, m, o)  # a monitor killed right after still counts it
             units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
             units[PROXY_UNIT] = sd.state(PROXY_UNIT)
         proxy = health.probe(

@@ -309,8 +309,9 @@ def start_runtime(
 
 
 class SwitchInterrupted(ApplianceError):
-    def __init__(self, message: str, hint: str | None = None) -> None:
-        super().__init__(message, hint=hint, code="interrupted", exit_code=130)
+    def __init__(self, message: str, recorded: bool = False) -> None:
+        super().__init__(message, code="interrupted", exit_code=130)
+        self.recorded = recorded  # the switch's record is written already
 
 
 class Interrupts:
@@ -433,6 +434,8 @@ def switch(
                 drain_s,
             )
         except SwitchInterrupted as e:
+            if e.recorded:
+                raise
             result = SwitchResult(
                 target_name, previous, False, time.monotonic() - t0, phases, notes, error=e.message
             )
@@ -518,6 +521,7 @@ def _switch_held(
         raise SwitchInterrupted(
             f"interrupted by {interrupts.received} after {target_name} had begun to start; the "
             f"switch was finished: {target_name} is serving",
+            recorded=True,
         )
     return result
 

@@ -5,6 +5,7 @@ held, `status` saying what happened, and the next switch working."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -223,3 +224,58 @@ def test_a_runtime_flag_it_does_not_know_rolls_back(appliance: Appliance, tmp_pa
     finally:
         # Back to the appliance's own config, as the other tests expect it.
         appliance.b70ctl("install", check=True)
+
+
+def test_the_proxy_killed_under_load_comes_back(appliance: Appliance) -> None:
+    """SIGKILL of the proxy while clients send requests: systemd restarts it. What clients see
+    until then is printed (the proxy's socket closes with it: connections are refused)."""
+    import threading
+
+    import openai
+
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    stop = threading.Event()
+    outcomes: list[tuple[float, str]] = []
+
+    def client() -> None:
+        c = appliance.client()
+        while not stop.is_set():
+            try:
+                c.chat.completions.create(
+                    model="smollm2",
+                    messages=[{"role": "user", "content": "Say yes."}],
+                    max_tokens=4,
+                    timeout=30,
+                )
+                outcomes.append((time.monotonic(), "ok"))
+            except openai.APIError as e:
+                outcomes.append((time.monotonic(), type(e).__name__))
+                time.sleep(0.2)
+
+    threads = [threading.Thread(target=client) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(3)
+        killed_at = time.monotonic()
+        os.kill(main_pid(appliance, "b70-litellm.service"), signal.SIGKILL)
+        deadline = killed_at + 240
+        while not any(t > killed_at + 1 and kind == "ok" for t, kind in outcomes[-20:]):
+            assert time.monotonic() < deadline, "the proxy did not come back"
+            time.sleep(0.5)
+        back_at = min(t for t, kind in outcomes if t > killed_at + 1 and kind == "ok")
+        time.sleep(2)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+    errors: dict[str, int] = {}
+    for t, kind in outcomes:
+        if kind != "ok" and t > killed_at:
+            errors[kind] = errors.get(kind, 0) + 1
+    print(
+        f"\nproxy SIGKILL under load: serving again after {back_at - killed_at:.1f} s; "
+        f"clients saw {errors}"
+    )
+    assert all(kind == "ok" for t, kind in outcomes if t > back_at + 1)
+    assert appliance.json("status")["result"]["proxy"]["healthy"]

@@ -227,6 +227,40 @@ def test_a_hang_is_detected_and_restarted(watched: tuple[Appliance, Path, int]) 
     assert "last action   restart flaky: hung: " in human
 
 
+def test_the_monitor_killed_while_it_restarts_a_runtime(
+    watched: tuple[Appliance, Path, int],
+) -> None:
+    """systemd finishes the restart the monitor asked for; systemd restarts the monitor, which
+    keeps its count."""
+    app, _, port = watched
+    wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
+    counted = app.json("status")["result"]["monitor"]["restarts_by_monitor"]
+    runtime, monitor = main_pid(app, "b70-flaky.service"), main_pid(app, "b70-monitor.service")
+    os.kill(runtime, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: (
+                app.manager.systemctl("show", "-p", "ActiveState", "--value", "b70-flaky").strip()
+                != "active"
+            ),
+            60,
+            "the monitor's restart of the hung runtime",
+        )
+        os.kill(monitor, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(runtime, signal.SIGCONT)
+    wait_for(lambda: main_pid(app, "b70-flaky.service") not in (0, runtime), 60, "a new runtime")
+    wait_for(lambda: app.ask().strip(), 60, "serving again")
+    wait_for(lambda: main_pid(app, "b70-monitor.service") not in (0, monitor), 30, "a new monitor")
+    wait_for(
+        lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "the new monitor sampling"
+    )
+    status = app.json("status")["result"]
+    assert status["monitor"]["restarts_by_monitor"] == counted + 1
+    assert status["active_runtime"] == "flaky"
+
+
 def test_a_runtime_that_cannot_come_back_fails_over(watched: tuple[Appliance, Path, int]) -> None:
     app, model, port = watched
     wait_for(lambda: app.json("status")["result"]["active_runtime"] == "flaky", 60, "flaky serving")
