@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from appliance import gpu, health, memgate, runtimes, state, systemd
@@ -321,30 +320,42 @@ class Interrupts:
     StartUnit on, the old runtime is already stopping: the switch finishes (or rolls back) as if
     nothing had happened, then says it was interrupted. Either way the hold is released and the
     switch is recorded; the command exits 130.
+
+    The signals are blocked for the switch and collected when it looks (`received`), rather than
+    handled: a handler would break the D-Bus call it interrupts (sd-bus returns EINTR).
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
-        self.received: str | None = None
+        self._received: str | None = None
         self.committed = False  # the StartUnit was sent: finish instead of stopping
-        self._saved: dict[int, Any] = {}
+        self._blocked = False
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._saved[sig] = signal.signal(sig, self._handle)
+            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+            self._blocked = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)
+        if self._blocked:
+            self._collect()  # taken here, so unblocking does not deliver them
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signal.Signals(signum).name
-        then = "finishing the switch" if self.committed else "stopping at the next safe point"
-        self.progress("interrupted", f"{self.received}: {then}, then exiting")
+    def _collect(self) -> None:
+        while self._blocked and (info := signal.sigtimedwait(self.SIGNALS, 0)) is not None:
+            if self._received is None:
+                self._received = signal.Signals(info.si_signo).name
+                then = "finishing the switch" if self.committed else "stopping at a safe point"
+                self.progress("interrupted", f"{self._received}: {then}, then exiting")
+
+    @property
+    def received(self) -> str | None:
+        """The first SIGINT or SIGTERM that came, by name."""
+        self._collect()
+        return self._received
 
     def check(self, phase: str) -> None:
         """Stop here if a signal came and the switch has not committed to the start yet."""

@@ -57,7 +57,7 @@ def long_stream(app: Appliance) -> Iterator[Any]:
     stream = app.client().chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "Write a long story about the sea."}],
-        max_tokens=400,
+        max_tokens=200,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
