@@ -77,6 +77,7 @@ class ProxyConfig:
     hold_s: float = 300.0  # how long a request waits at the proxy during a switch
     drain_s: float = 60.0  # how long a switch waits for the old runtime's requests to finish
     workers: int = 2  # one LiteLLM worker streams about 1300-1800 chunks/s on one core
+    max_body_bytes: int = 8 * 1024**2  # a request body larger than this is refused (413)
     litellm: str | None = None  # the litellm executable; default: beside b70ctl
 
 
@@ -374,7 +375,17 @@ class _Reader:
 
     def proxy(self, t: Mapping[str, Any]) -> ProxyConfig:
         p = "proxy."
-        allowed = {"host", "port", "model", "aliases", "hold_s", "drain_s", "workers", "litellm"}
+        allowed = {
+            "host",
+            "port",
+            "model",
+            "aliases",
+            "hold_s",
+            "drain_s",
+            "workers",
+            "litellm",
+            "max_body_mib",
+        }
         self.known(t, p, allowed)
         model = self.get(t, "model", p, str, "b70", _model_name)
         aliases = self.strings(t, "aliases", p)
@@ -391,6 +402,11 @@ class _Reader:
             drain_s=self.get(t, "drain_s", p, float, 60.0, _range(0, HOUR_S)),
             workers=self.get(t, "workers", p, int, 2, lambda v: None if 1 <= v <= 64 else "1-64"),
             litellm=litellm,
+            # 8 MiB holds a whole 131072-token context as text several times over, and a few
+            # images as data URLs.
+            max_body_bytes=int(
+                self.get(t, "max_body_mib", p, float, 8.0, _range(0, 1024, low_open=True)) * MIB
+            ),
         )
 
     def monitor(self, t: Mapping[str, Any], names: set[str]) -> MonitorConfig:
@@ -575,6 +591,7 @@ def _port(value: int) -> str | None:
     return None if 1 <= value <= 65535 else f"{value} is not a TCP port (1-65535)"
 
 
+MIB = 1024**2
 HOUR_S = 3600
 DAY_S = 86400
 MAX_MEMORY_GIB = 1024

@@ -1,13 +1,17 @@
-"""The LiteLLM side of the appliance: the request hold and the API-key check.
+"""The LiteLLM side of the appliance: the door, the request hold and the API-key check.
 
 Loaded by the proxy through the rendered litellm.yaml:
     litellm_settings: callbacks: ["appliance.proxy_hook.hold"]
     general_settings: custom_auth: appliance.proxy_hook.authenticate
 
+Importing it inside the proxy puts the door (appliance.proxy_gate) in front of LiteLLM's app:
+only the appliance's routes exist, and bad requests are refused before LiteLLM parses them.
+
 The proxy unit tells this module where things are through its environment:
-    B70_STATE_DIR    where `b70ctl switch` writes its hold mark (appliance.hold)
-    B70_BACKEND_URL  the runtimes' shared address, whose /health is probed
-    B70_HOLD_S       how long a request may wait before it is answered 503
+    B70_STATE_DIR       where `b70ctl switch` writes its hold mark (appliance.hold)
+    B70_BACKEND_URL     the runtimes' shared address, whose /health is probed
+    B70_HOLD_S          how long a request may wait before it is answered 503
+    B70_MAX_BODY_BYTES  the largest request body the door takes (default 8 MiB)
 
 A request waits while a switch is marked or while the backend is not healthy, and goes through
 as soon as neither is true. A backend that is slow to answer /health is busy, not down: only a
@@ -31,6 +35,7 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
 from appliance import hold as hold_mark
+from appliance import proxy_checks, proxy_gate
 
 POLL_S = 0.2
 HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
@@ -137,9 +142,12 @@ def _request_headers(data: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 class HoldHook(CustomLogger):
-    def __init__(self, gate: Gate | None = None) -> None:
+    def __init__(
+        self, gate: Gate | None = None, backend: proxy_checks.Backend | None = None
+    ) -> None:
         super().__init__()
         self._gate = gate
+        self.backend = backend  # the door's view of the runtime, to name it in errors
 
     @property
     def gate(self) -> Gate:
@@ -173,8 +181,29 @@ class HoldHook(CustomLogger):
             ) from None
         return data
 
+    async def async_post_call_failure_hook(
+        self,
+        request_data: dict[str, Any],
+        original_exception: Exception,
+        user_api_key_dict: Any,
+        traceback_str: str | None = None,
+    ) -> None:
+        """Errors name the runtime that serves, not LiteLLM's provider class."""
+        error: Any = original_exception
+        message = getattr(error, "message", None)
+        if isinstance(message, str) and PROVIDER_ERROR in message:
+            error.message = message.replace(PROVIDER_ERROR, self.runtime_name())
 
-hold = HoldHook()
+    def runtime_name(self) -> str:
+        """The serving runtime as it last named itself to the door."""
+        facts = self.backend.known if self.backend is not None else None
+        return f"the runtime ({facts.engine})" if facts is not None else "the runtime"
+
+
+PROVIDER_ERROR = "Hosted_vllmException"  # LiteLLM's name for errors of the hosted_vllm route
+
+# Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
+hold = HoldHook(backend=proxy_gate.install_in_proxy())
 
 
 # --- the API key --------------------------------------------------------------------------------
@@ -194,13 +223,8 @@ def _unauthorized(message: str) -> ProxyException:
 
 async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:
     """Accept exactly the appliance's key; anything else is a 401 that says what is wrong."""
-    expected = os.environ.get("LITELLM_MASTER_KEY", "")
-    given = api_key.removeprefix("Bearer ").strip() if api_key else ""
-    if not given:
-        raise _unauthorized(
-            "no API key: send the appliance's key as 'Authorization: Bearer KEY' "
-            "(it is LITELLM_MASTER_KEY in the appliance's proxy.env)"
-        )
-    if not expected or not hmac.compare_digest(given.encode(), expected.encode()):
-        raise _unauthorized("the API key is not the appliance's key")
+    problem = proxy_gate.key_problem(api_key, os.environ.get("LITELLM_MASTER_KEY", ""))
+    if problem is not None:
+        raise _unauthorized(problem)
+    given = api_key.removeprefix("Bearer ").strip()
     return UserAPIKeyAuth(api_key=given, user_role=LitellmUserRoles.PROXY_ADMIN)

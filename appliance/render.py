@@ -10,12 +10,13 @@ import json
 import os
 import re
 import tempfile
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance import runtimes
+from appliance import runtimes, sandbox
 
 if TYPE_CHECKING:
     import jinja2
@@ -118,6 +119,11 @@ def render_environment(key: str, value: str) -> str:
     return f'"{text}"'
 
 
+def render_comment(text: str) -> list[str]:
+    """A comment's lines, wrapped so that the unit file stays readable."""
+    return [f"# {line}" for line in textwrap.wrap(text, 96)]
+
+
 def render_seconds(value: float) -> str:
     return f"{value:g}s"
 
@@ -137,6 +143,7 @@ def _environment() -> jinja2.Environment:
     env.filters["exec"] = render_exec
     env.filters["seconds"] = render_seconds
     env.filters["json"] = json.dumps
+    env.filters["comment"] = render_comment
     return env
 
 
@@ -187,7 +194,7 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
         exec_stop_post=runtimes.exec_stop_post(config, runtime),
         timeout_stop_s=runtimes.stop_timeouts(runtime).unit_s,
         start_limit_interval_s=interval,
-        run_as=runtime.user if lay.scope is Scope.SYSTEM else None,
+        sandbox=sandbox.runtime(config, lay, runtime),
         wanted_by=lay.wanted_by,
     )
 
@@ -221,6 +228,8 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         "B70_STATE_DIR": str(lay.state_dir),
         "B70_BACKEND_URL": runtimes.backend_url(config),
         "B70_HOLD_S": f"{config.proxy.hold_s:g}",
+        # For the request checks (appliance.proxy_gate): the largest body taken, in bytes.
+        "B70_MAX_BODY_BYTES": str(config.proxy.max_body_bytes),
     }
 
 
@@ -236,6 +245,7 @@ def render_proxy_unit(config: Config, lay: Layout) -> str:
         environment=[render_environment(k, v) for k, v in proxy_environment(config, lay).items()],
         exec_start=proxy_argv(config, lay),
         exec_start_post=post,
+        sandbox=sandbox.proxy(config, lay, litellm_path(config)),
         wanted_by=lay.wanted_by,
     )
 
@@ -249,6 +259,7 @@ def render_monitor_unit(config: Config, lay: Layout) -> str:
         monitor=config.monitor,
         proxy_unit=PROXY_UNIT,
         exec_start=argv,
+        sandbox=sandbox.monitor(config, lay),
         wanted_by=lay.wanted_by,
     )
 
@@ -268,9 +279,8 @@ def render_all(config: Config, lay: Layout) -> dict[str, str]:
     files[PROXY_UNIT] = render_proxy_unit(config, lay)
     files[MONITOR_UNIT] = render_monitor_unit(config, lay)
     files[PROXY_CONFIG] = render_proxy_config(config, lay)
-    users = run_as_users(config, lay)
-    if users:
-        files[SYSUSERS] = render_sysusers(users)
+    if lay.scope is Scope.SYSTEM:  # the proxy has a user of its own
+        files[SYSUSERS] = render_sysusers(run_as_users(config, lay))
     return dict(sorted(files.items()))
 
 
@@ -281,9 +291,12 @@ def run_as_users(config: Config, lay: Layout) -> list[str]:
     return sorted({rt.user for rt in config.runtimes.values() if rt.user})
 
 
-def render_sysusers(users: list[str]) -> str:
-    lines = ["# Rendered by b70ctl: the users b70 runtimes run as, in the render group."]
-    for user in users:
+def render_sysusers(runtime_users: list[str]) -> str:
+    """The proxy's user, and the users runtimes run as (in the render group)."""
+    home = sandbox.SYSTEM_CACHE_ROOT / PROXY_UNIT.removesuffix(".service")  # its CacheDirectory=
+    lines = ["# Rendered by b70ctl: the users the b70 units run as."]
+    lines.append(f'u {sandbox.PROXY_USER} - "b70 appliance proxy" {home} -')
+    for user in runtime_users:
         lines += [f'u {user} - "b70 appliance runtime" /var/lib/b70 -', f"m {user} render"]
     return "\n".join(lines) + "\n"
 

@@ -294,6 +294,11 @@ REACH = [
         "runtimes.vllm.model: '--trust-remote-code' starts with '-'",
     ),
     (
+        "no body at all",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nmax_body_mib = 0'),
+        "proxy.max_body_mib: 0.0 must be greater than 0",
+    ),
+    (
         "a relative device",
         GOOD.replace(
             'engine = "vllm"',
@@ -411,7 +416,8 @@ def test_numbers_in_range_and_names_that_pass() -> None:
         'model = "/models/hf"\nstart_timeout_s = 86400\nmemory_needed_gib = 0\n'
         'args = ["--chat-template", "{% if x %}$HOME \\\\ \\"q\\" ; caf\u00e9"]',
     )
-    cfg = config.parse(text, Path("t.toml"))
+    cfg = config.parse(text.replace("port = 8000", "port = 8000\nmax_body_mib = 0.5"), Path("t"))
+    assert cfg.proxy.max_body_bytes == 512 * 1024
     rt = cfg.runtimes["vllm-tp4"]
     assert rt.start_timeout_s == 86400 and rt.memory_needed_bytes == 0
     assert rt.args[1] == '{% if x %}$HOME \\ "q" ; caf\u00e9'

@@ -44,7 +44,8 @@ def held_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
             yield app
         finally:
             app.b70ctl("uninstall", "--purge")
-            shutil.rmtree(root, ignore_errors=True)
+    # Only now that the manager is stopped: one whose files are gone ignores SIGTERM and lives on.
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def ask(app: Appliance, kind: str, key: str | None = None) -> tuple[str, float]:

@@ -8,10 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import litellm
 import pytest
 from litellm.proxy._types import ProxyException
 
-from appliance import hold, proxy_hook
+from appliance import hold, proxy_checks, proxy_hook
 
 
 class Clock:
@@ -186,3 +188,27 @@ def test_no_configured_key_accepts_nothing(monkeypatch: pytest.MonkeyPatch) -> N
         asyncio.run(proxy_hook.authenticate(None, "Bearer "))  # type: ignore[arg-type]
     with pytest.raises(ProxyException):
         asyncio.run(proxy_hook.authenticate(None, "Bearer anything"))  # type: ignore[arg-type]
+
+
+def llama_server(request: httpx.Request) -> httpx.Response:
+    """What llama-server answers the door about itself (the shapes of tests/test_door_real.py)."""
+    if request.url.path == "/v1/models":
+        return httpx.Response(200, json={"data": [{"id": "smollm2", "owned_by": "llamacpp"}]})
+    return httpx.Response(200, json={"default_generation_settings": {"n_ctx": 1024}})
+
+
+def test_errors_name_the_runtime_that_serves_not_litellms_provider_class() -> None:
+    said = '{"error": {"message": "the request exceeds the available context size"}}'
+
+    def failure(hook: proxy_hook.HoldHook) -> str:
+        error = litellm.BadRequestError(
+            message=f"Hosted_vllmException - {said}", model="smollm2", llm_provider="hosted_vllm"
+        )
+        assert asyncio.run(hook.async_post_call_failure_hook({}, error, None)) is None
+        return error.message
+
+    assert failure(proxy_hook.HoldHook()) == f"litellm.BadRequestError: the runtime - {said}"
+    backend = proxy_checks.Backend("http://runtime", transport=httpx.MockTransport(llama_server))
+    assert asyncio.run(backend.facts()) == proxy_checks.Facts("llama.cpp", 1024, "smollm2")
+    hook = proxy_hook.HoldHook(backend=backend)
+    assert failure(hook) == f"litellm.BadRequestError: the runtime (llama.cpp) - {said}"

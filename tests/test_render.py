@@ -149,6 +149,7 @@ def test_a_runtime_user_gets_the_render_group_and_cap_perfmon_and_no_more() -> N
     assert unit_lines(llama, "CapabilityBoundingSet") == ["CAP_PERFMON"]
     assert "User=" not in files["b70-vllm.service"]  # the docker client stays as it is
     assert files["b70-sysusers.conf"].splitlines()[1:] == [
+        'u b70-proxy - "b70 appliance proxy" /var/cache/b70-litellm -',
         'u b70 - "b70 appliance runtime" /var/lib/b70 -',
         "m b70 render",
     ]

@@ -1,0 +1,424 @@
+"""The request checks of the door (appliance.proxy_gate), and what they ask the serving runtime.
+
+Each check refuses a request with a Refusal in OpenAI's error shape, or lets it go on:
+
+4. The JSON: valid JSON (400), an object (400), a known `model` (404, like OpenAI: the model
+   and its aliases, as LiteLLM's router knows them from the rendered litellm.yaml), for chat a
+   non-empty `messages` array of objects, for completions a `prompt` (400).
+5. `max_tokens` and `max_completion_tokens`: integers, at least 1, at most the context (400).
+6. The prompt against the context (400 `context_length_exceeded`), never refusing a prompt that
+   fits. Most prompts cost nothing more: a tokenizer makes at most one token of each byte of
+   text (byte-level BPE, and SentencePiece with byte fallback), and the JSON body has at least
+   as many bytes as the text in it, so a body of at most `context - TEMPLATE_SLACK` bytes fits.
+   A prompt far over is refused at once: no vocabulary we could measure has a token longer than
+   128 bytes (GPT-2's, cl100k, o200k; SmolLM2's longest is 81), so a text of N bytes has at
+   least N / MAX_TOKEN_BYTES (256) tokens; for chat only the users' messages count, as every
+   chat template renders them whole (some drop parts of earlier answers). Between the two, the
+   serving runtime counts the prompt exactly with its own tokenizer (vLLM: POST /tokenize with
+   the messages, which applies the chat template; llama-server: POST /apply-template, then
+   /tokenize). Token-id prompts are counted as they are. The bound alone would be weak (an
+   8 MiB body is only "at least 32768 tokens"), and counting alone slow (vLLM on 2 CPU cores
+   counts 8 MB of text in 12 s). A prompt with images is not counted: the runtime judges it.
+
+The context and the engine come from the serving runtime, asked once and kept (vLLM: GET
+/v1/models, `max_model_len`; llama-server: GET /props, `default_generation_settings.n_ctx`, the
+context of one slot). A kept answer older than FACTS_TTL_S is renewed in the background, and is
+asked again before it would refuse a request, so a switch to a runtime with a longer context never
+refuses a valid request; meanwhile a request checked against an older, longer context is checked
+by the runtime itself. When the runtime cannot say (stopped, loading, during a switch), checks 5
+and 6 pass and the request goes on to the request hold (appliance.proxy_hook).
+
+Imported by the proxy: nothing from the rest of the controller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+Message = dict[str, Any]
+Send = Callable[[Message], Awaitable[None]]
+
+FACTS_TTL_S = 10.0  # a kept context is renewed in the background after this
+FRESH_S = 1.0  # ... and asked again before a refusal, unless it is this recent
+BACKEND_TIMEOUT_S = 5.0
+TEMPLATE_SLACK = 512  # tokens a chat template may add beyond the bytes of the body
+# No token is longer than this: the longest of GPT-2's, cl100k's and o200k's vocabularies is 128
+# bytes, of SmolLM2's 81. A text of N bytes is at least N / MAX_TOKEN_BYTES tokens.
+MAX_TOKEN_BYTES = 256
+MAX_COUNTED_PROMPTS = 8  # long prompts of one completion request the runtime is asked to count
+CHAT, COMPLETION = "chat", "completion"
+
+
+class Refusal(Exception):
+    """A request the door answers itself, in OpenAI's error shape."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str | None,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.kind = kind
+        self.headers = dict(headers or {})
+
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return json.dumps({"error": error}).encode()
+
+    async def send(self, send: Send) -> None:
+        body = self.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+# --- what the serving runtime says about itself ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Facts:
+    engine: str  # "vLLM" or "llama.cpp": the name clients see in errors
+    context: int  # tokens one request may use, prompt and answer together
+    model: str  # the name the runtime serves
+
+
+class Backend:
+    """The serving runtime, asked over HTTP: its context, its engine, and token counts."""
+
+    def __init__(
+        self,
+        url: str,
+        clock: Callable[[], float] = time.monotonic,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.clock = clock
+        self.transport = transport
+        self.known: Facts | None = None
+        self.known_at = -math.inf
+        self._client: httpx.AsyncClient | None = None
+        self._asking: asyncio.Task[Facts | None] | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # created inside the proxy's event loop
+            # A new connection for each question: a kept one may be closed by the runtime
+            # just as it is used (RECIPES.md 7), and a loopback connect costs nothing.
+            no_reuse = httpx.Limits(max_keepalive_connections=0)
+            self._client = httpx.AsyncClient(
+                base_url=self.url, timeout=BACKEND_TIMEOUT_S, transport=self.transport,
+                limits=no_reuse,
+            )  # fmt: skip
+        return self._client
+
+    async def facts(self, fresh: bool = False) -> Facts | None:
+        """What the runtime said, kept; `fresh`: asked again unless the answer is FRESH_S old."""
+        age = self.clock() - self.known_at
+        if self.known is not None and not (fresh and age > FRESH_S):
+            if age > FACTS_TTL_S:
+                self._ask()  # renewed in the background; this request goes on with what is known
+            return self.known
+        return await asyncio.shield(self._ask())
+
+    def _ask(self) -> asyncio.Task[Facts | None]:
+        if self._asking is None or self._asking.done():  # one question at a time per worker
+            self._asking = asyncio.ensure_future(self._read_facts())
+        return self._asking
+
+    async def _read_facts(self) -> Facts | None:
+        try:
+            facts = await self._query_facts()
+        except Exception:  # whatever answers on the port, a request never fails because of it
+            facts = None
+        self.known, self.known_at = facts, self.clock() if facts else -math.inf
+        return facts
+
+    async def _query_facts(self) -> Facts | None:
+        response = await self.client.get("/v1/models")
+        response.raise_for_status()
+        served = response.json()["data"][0]
+        if "max_model_len" in served:
+            return Facts("vLLM", int(served["max_model_len"]), str(served["id"]))
+        if served.get("owned_by") == "llamacpp":
+            props = await self.client.get("/props")
+            props.raise_for_status()
+            context = int(props.json()["default_generation_settings"]["n_ctx"])
+            return Facts("llama.cpp", context, str(served["id"]))
+        return None
+
+    async def count_tokens(self, facts: Facts, kind: str, body: Mapping[str, Any]) -> int | None:
+        """The prompt's tokens as the serving runtime counts them; None if it cannot say."""
+        try:
+            if kind == CHAT:
+                return await self._count_chat(facts, body)
+            # Only the prompts that might not fit, and not too many of them (a batch of a
+            # thousand long prompts is the runtime's to judge).
+            texts = [p for p in _text_prompts(body["prompt"]) if _may_overflow(p, facts)]
+            if len(texts) > MAX_COUNTED_PROMPTS:
+                return None
+            return max([await self._count_text(facts, p) for p in texts], default=0)
+        except Exception:  # the runtime cannot say: it judges the prompt itself
+            return None
+
+    async def _count_chat(self, facts: Facts, body: Mapping[str, Any]) -> int | None:
+        if any(_media_in(m.get("content")) for m in body["messages"]):
+            return None  # images and audio are the runtime's to count
+        extra = {"tools": body["tools"]} if body.get("tools") else {}
+        if facts.engine == "vLLM":
+            request = {"model": facts.model, "messages": body["messages"], **extra}
+            return count_field(await self._post("/tokenize", request))
+        template = {"messages": body["messages"], **extra}
+        prompt = json.loads(await self._post("/apply-template", template))["prompt"]
+        return await self._count_text(facts, str(prompt))
+
+    async def _count_text(self, facts: Facts, text: str) -> int:
+        if facts.engine == "vLLM":
+            request = {"model": facts.model, "prompt": text, "add_special_tokens": False}
+            return count_field(await self._post("/tokenize", request))
+        request = {"content": text, "add_special": False, "parse_special": True}
+        return count_array(await self._post("/tokenize", request))
+
+    async def _post(self, path: str, request: Mapping[str, Any]) -> bytes:
+        response = await self.client.post(path, json=request)
+        response.raise_for_status()
+        return response.content
+
+
+# A long prompt's answer lists every token id: they are counted in the raw answer, without
+# making a Python int of each (a million of them, 30 MB, would stay in the proxy's RSS).
+
+
+def count_field(answer: bytes) -> int:
+    """vLLM's {"count": N, ..., "tokens": [...]}: N."""
+    found = re.search(rb'"count"\s*:\s*(\d+)', answer)
+    if found is None:
+        raise ValueError("no count in the answer")
+    return int(found[1])
+
+
+def count_array(answer: bytes) -> int:
+    """llama-server's {"tokens": [1, 2, ...]}: how many ids."""
+    start, end = answer.index(b"["), answer.rindex(b"]")
+    inside = answer[start + 1 : end]
+    return inside.count(b",") + 1 if inside.strip() else 0
+
+
+def _may_overflow(text: str, facts: Facts) -> bool:
+    return _utf8_bytes(text) + TEMPLATE_SLACK > facts.context
+
+
+def _text_prompts(prompt: Any) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    return [p for p in prompt if isinstance(p, str)] if isinstance(prompt, list) else []
+
+
+# --- the checks -----------------------------------------------------------------------------------
+
+
+def parse_body(body: bytes) -> dict[str, Any] | Refusal:
+    """The request's JSON object, or why not (400)."""
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        data = json.loads(body, parse_constant=no_constant)
+    except (ValueError, RecursionError) as e:
+        return Refusal(400, f"the request body is not valid JSON: {e}", "invalid_json")
+    if not isinstance(data, dict):
+        given = "null" if data is None else _json_type(data)
+        return Refusal(400, f"the request body must be a JSON object, not {given}", "invalid_type")
+    return data
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if value == []:
+        return "an empty array"
+    names = {dict: "an object", list: "an array", str: "a string", int: "an integer"}
+    return names.get(type(value), "a number")
+
+
+def _wrong(name: str, must: str, value: Any, given: str | None = None) -> Refusal:
+    """`name` is missing or not what it must be."""
+    if value is None:
+        return Refusal(
+            400, f"{name} is missing: it must be {must}", "missing_required_parameter", name
+        )
+    given = given or _json_type(value)
+    return Refusal(400, f"{name} must be {must}, not {given}", "invalid_type", name)
+
+
+def check_shape(
+    kind: str, data: Mapping[str, Any], models: Collection[str] | None
+) -> Refusal | None:
+    """Checks that need nothing but the request: model, messages or prompt, max_tokens."""
+    model = data.get("model")
+    if not isinstance(model, str):
+        return _wrong("model", "the name of a model this appliance serves", model)
+    if models is not None and model not in models:
+        served = ", ".join(sorted(models))
+        return Refusal(
+            404, f"The model `{model}` does not exist. This appliance serves: {served}.",
+            "model_not_found", "model",
+        )  # fmt: skip
+    if kind == CHAT:
+        messages = data.get("messages")
+        if not (isinstance(messages, list) and messages and _all(messages, dict)):
+            some = isinstance(messages, list) and messages
+            given = "an array with items that are not objects" if some else None
+            return _wrong("messages", "a non-empty array of message objects", messages, given)
+    else:
+        prompt = data.get("prompt")
+        if not (isinstance(prompt, str) or _prompt_list(prompt)):
+            return _wrong("prompt", "a string, or an array of strings or of token ids", prompt)
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = data.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            return _wrong(name, "an integer", value)
+        if value < 1:
+            return Refusal(
+                400, f"{name} must be at least 1, not {value}", "integer_below_min_value", name
+            )
+    return None
+
+
+def _all(items: list[Any], kind: type) -> bool:
+    return all(isinstance(item, kind) for item in items)
+
+
+def _prompt_list(prompt: Any) -> bool:
+    if not (isinstance(prompt, list) and prompt):
+        return False
+    return _all(prompt, str) or _token_prompts(prompt) is not None
+
+
+def _token_prompts(prompt: Any) -> list[list[int]] | None:
+    """A prompt of token ids (one list, or a list of lists), or None."""
+    if not isinstance(prompt, list):
+        return None
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt]
+    if all(isinstance(p, list) and p and _token_prompts(p) == [p] for p in prompt):
+        return prompt
+    return None
+
+
+def max_tokens_refusal(data: Mapping[str, Any], facts: Facts) -> Refusal | None:
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = data.get(name)
+        if isinstance(value, int) and value > facts.context:
+            return Refusal(
+                400, f"{name} is {value}, more than the context of the runtime that serves "
+                f"({facts.engine}): {facts.context} tokens for the prompt and the answer together",
+                "integer_above_max_value", name,
+            )  # fmt: skip
+    return None
+
+
+def prompt_tokens_at_most(kind: str, data: Mapping[str, Any], body_bytes: int) -> int:
+    """Tokens the prompt cannot exceed, whatever the tokenizer (see the module's docstring)."""
+    tokens = _token_prompts(data["prompt"]) if kind == COMPLETION else None
+    if tokens is not None:
+        return max(len(t) for t in tokens)
+    return body_bytes + TEMPLATE_SLACK
+
+
+def prompt_tokens_at_least(kind: str, data: Mapping[str, Any]) -> tuple[int, bool]:
+    """Tokens the prompt has at least, and whether that is its exact count: token ids exactly;
+    text at least its UTF-8 bytes over MAX_TOKEN_BYTES (for chat, only the users' messages,
+    which every chat template renders whole)."""
+    if kind == COMPLETION:
+        tokens = _token_prompts(data["prompt"])
+        if tokens is not None:
+            return max(len(t) for t in tokens), True
+        return max(_utf8_bytes(p) for p in _text_prompts(data["prompt"])) // MAX_TOKEN_BYTES, False
+    users = [m.get("content") for m in data["messages"] if m.get("role") == "user"]
+    return sum(_utf8_bytes(_text_of(c)) for c in users) // MAX_TOKEN_BYTES, False
+
+
+def _media_in(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        not (isinstance(part, dict) and part.get("type") == "text") for part in content
+    )
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    return "".join(p for p in parts if isinstance(p, str))
+
+
+def _utf8_bytes(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def over_context(kind: str, tokens: int, exact: bool, facts: Facts) -> Refusal:
+    size = f"{tokens} tokens" if exact else f"at least {tokens} tokens"
+    return Refusal(
+        400, f"this prompt is {size}, more than the context of the runtime that serves "
+        f"({facts.engine}): {facts.context} tokens for the prompt and the answer together",
+        "context_length_exceeded", "messages" if kind == CHAT else "prompt",
+    )  # fmt: skip
+
+
+async def check_request(
+    kind: str,
+    data: Mapping[str, Any],
+    body_bytes: int,
+    models: Collection[str] | None,
+    backend: Backend | None,
+) -> Refusal | None:
+    """Checks 4 to 6 of a parsed request; `body_bytes`: the size of its body."""
+    refusal = check_shape(kind, data, models)
+    if refusal is not None or backend is None:
+        return refusal
+    facts = await backend.facts()
+    if facts is None:
+        return None  # the runtime cannot say now; the hold and the runtime itself take over
+    refusal = await judge(kind, data, body_bytes, facts, backend)
+    if refusal is not None:
+        fresh = await backend.facts(fresh=True)  # never refuse on an old answer
+        if fresh != facts:
+            refusal = await judge(kind, data, body_bytes, fresh, backend) if fresh else None
+    return refusal
+
+
+async def judge(
+    kind: str, data: Mapping[str, Any], body_bytes: int, facts: Facts, backend: Backend
+) -> Refusal | None:
+    """Checks 5 and 6 against what the runtime said."""
+    refusal = max_tokens_refusal(data, facts)
+    if refusal is not None:
+        return refusal
+    if prompt_tokens_at_most(kind, data, body_bytes) <= facts.context:
+        return None
+    at_least, exact = prompt_tokens_at_least(kind, data)
+    if at_least > facts.context or exact:
+        return over_context(kind, at_least, exact, facts) if at_least > facts.context else None
+    tokens = await backend.count_tokens(facts, kind, data)
+    if tokens is not None and tokens > facts.context:
+        return over_context(kind, tokens, True, facts)
+    return None

@@ -1,0 +1,325 @@
+"""The door of the appliance: an ASGI layer in front of LiteLLM's app, in every proxy worker.
+
+Port 8000 serves only the appliance's own routes, and checks every request to the model before
+LiteLLM parses it, so a bad request costs the runtime nothing. In order:
+
+1. The route. Only ROUTES exist: chat completions, completions and models (with and without
+   `/v1`; GET /v1/models/{name} for the names served), and the liveness and readiness probes.
+   Every other path LiteLLM registers (admin, UI, docs, openapi, spend, keys, model management,
+   config, debug, pass-through, MCP, websockets, ...) answers 404 to everyone, key or not; an
+   allowed path asked with another method answers 405.
+2. The key: every route but the probes needs `Authorization: Bearer <the appliance's key>`
+   (401 otherwise), before any of the request body is read. A body sent as a form (curl -d
+   without a Content-Type) is refused (415): LiteLLM would read it as a form, not as JSON.
+3. The body of chat completions and completions: at most `max_body_bytes` ([proxy] max_body_mib,
+   B70_MAX_BODY_BYTES in the proxy's environment, default 8 MiB). A Content-Length over it is
+   refused at once with 413, before the body is sent; a chunked body is counted as it arrives
+   and refused as soon as it passes the limit, so no more than the limit is ever held. 8 MiB
+   holds a whole 131072-token context as text many times over (about 4 bytes a token, up to 6
+   in JSON escapes) and a few images as data URLs; the 50 MB bodies that once kept the proxy
+   and llama-server busy for a minute do not pass.
+4-6. The request itself: JSON, model, messages or prompt, max_tokens, the prompt against the
+   runtime's context (appliance.proxy_checks).
+
+Then LiteLLM reads the body from what was read here, and the client's own messages after it (so
+a client that leaves mid-stream is still seen leaving, and its request cancelled in the runtime).
+Every refusal is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
+
+How the layer is put in front: LiteLLM's app is a FastAPI app, whose Starlette base builds
+`app.middleware_stack` on its first ASGI call (the lifespan start-up) and reads that attribute on
+every call after. The proxy imports appliance.proxy_hook inside that lifespan, when it loads its
+config, and proxy_hook calls install_in_proxy(): the built stack is wrapped in place. If the
+stack is not built yet, `build_middleware_stack` is wrapped instead, so it is wrapped whenever it
+gets built. Filtering `app.router.routes` instead would not hold: LiteLLM adds routes after
+start-up (lazy features register their routers on the first request to their prefix, and the
+lifespan adds pass-through endpoints), and the body checks need a layer before LiteLLM's parsing
+anyway. The outermost layer also sees each path before any of LiteLLM's middleware can rewrite
+it.
+
+Imported by the proxy: nothing from the rest of the controller but proxy_checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hmac
+import os
+import sys
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from typing import Any
+
+from appliance.proxy_checks import CHAT, COMPLETION, Backend, Refusal, check_request, parse_body
+
+Scope = Mapping[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Any, Receive, Send], Awaitable[None]]
+
+MIB = 1024 * 1024
+DEFAULT_MAX_BODY_BYTES = 8 * MIB
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+MODELS, PROBE = "models", "probe"
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+ROUTES: dict[str, tuple[str, frozenset[str]]] = {
+    path: (kind, frozenset(methods))
+    for prefix in ("", "/v1")
+    for path, kind, methods in (
+        (f"{prefix}/chat/completions", CHAT, ("POST", "OPTIONS")),
+        (f"{prefix}/completions", COMPLETION, ("POST", "OPTIONS")),
+        (f"{prefix}/models", MODELS, ("GET", "OPTIONS")),
+    )
+}
+ROUTES |= {
+    path: (PROBE, frozenset(("GET", "OPTIONS")))
+    for path in ("/health/liveliness", "/health/liveness", "/health/readiness")
+}
+MODEL_PREFIXES = ("/models/", "/v1/models/")  # GET /v1/models/{model}, a model served here
+
+
+def route_of(path: str, models: Collection[str] | None) -> tuple[str, frozenset[str]] | None:
+    """The kind and methods of an allowed path, or None: that path does not exist here.
+    `models`: the names served, or None when not known yet (then any one path segment)."""
+    if path in ROUTES:
+        return ROUTES[path]
+    for prefix in MODEL_PREFIXES:
+        name = path.removeprefix(prefix)
+        if name != path and (name in models if models is not None else name and "/" not in name):
+            return MODELS, frozenset(("GET", "OPTIONS"))
+    return None
+
+
+# --- the key --------------------------------------------------------------------------------------
+
+
+def key_problem(authorization: str | None, expected: str) -> str | None:
+    """What is wrong with the key an `Authorization` header carries, or None when it is right."""
+    given = (authorization or "").removeprefix("Bearer ").strip()
+    if not given:
+        return (
+            "no API key: send the appliance's key as 'Authorization: Bearer KEY' "
+            "(it is LITELLM_MASTER_KEY in the appliance's proxy.env)"
+        )
+    if not expected or not hmac.compare_digest(given.encode(), expected.encode()):
+        return "the API key is not the appliance's key"
+    return None
+
+
+def unauthorized(message: str) -> Refusal:
+    return Refusal(
+        401, message, "invalid_api_key", kind="authentication_error",
+        headers={"WWW-Authenticate": "Bearer"},
+    )  # fmt: skip
+
+
+# --- the layer ------------------------------------------------------------------------------------
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def route_path(scope: Scope) -> str:
+    """The path the app routes on (Starlette's rule: the path less the root path)."""
+    path, root = str(scope["path"]), str(scope.get("root_path") or "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
+class Door:
+    """The ASGI layer: routes, key, body and request checks, then LiteLLM's app."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        backend: Backend | None,
+        models: Callable[[], Collection[str] | None],
+        key: Callable[[], str] = lambda: os.environ.get("LITELLM_MASTER_KEY", ""),
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        self.app = app
+        self.backend = backend
+        self.models = models
+        self.key = key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            await _refuse_websocket(scope, receive, send)
+            return
+        try:
+            receive = await self.check(scope, receive)
+        except Refusal as refusal:
+            # Its traceback holds the frames that hold the request (megabytes, maybe): let them
+            # go now rather than at the next collection of reference cycles.
+            refusal.__traceback__ = None
+            await refusal.send(send)
+            return
+        except _Disconnected:
+            return
+        await self.app(scope, receive, send)
+
+    async def check(self, scope: Scope, receive: Receive) -> Receive:
+        """Refuses the request, or gives the `receive` LiteLLM reads it from."""
+        path, method, models = route_path(scope), str(scope["method"]), self.models()
+        route = route_of(path, models)
+        if route is None:
+            raise Refusal(404, f"there is no route {path} on this appliance", "not_found")
+        kind, methods = route
+        if method not in methods:
+            allow = ", ".join(sorted(methods))
+            raise Refusal(
+                405, f"{path} takes {allow}, not {method}", "method_not_allowed",
+                headers={"Allow": allow},
+            )  # fmt: skip
+        if kind == PROBE or method == "OPTIONS":
+            return receive
+        problem = key_problem(_header(scope, b"authorization"), self.key())
+        if problem is not None:
+            raise unauthorized(problem)
+        if kind == MODELS:
+            return receive
+        media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+        if media_type in FORM_TYPES:  # LiteLLM would read a form, not the JSON checked here
+            raise Refusal(
+                415, f"the request body must be JSON, sent as Content-Type: application/json, "
+                f"not {media_type}", "unsupported_media_type",
+            )  # fmt: skip
+        body = await self.read_body(scope, receive)
+        data = parse_body(body)
+        if isinstance(data, Refusal):
+            raise data
+        refusal = await check_request(kind, data, len(body), models, self.backend)
+        if refusal is not None:
+            raise refusal
+        return _replay(body, receive)
+
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.max_body_bytes
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(None, limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _Disconnected(Exception):
+    """The client left while its body was being read: nothing to answer."""
+
+
+def _too_large(declared: int | None, limit: int) -> Refusal:
+    size = f"{declared} bytes, more than" if declared is not None else "more than"
+    return Refusal(
+        413, f"the request body is {size} the {limit} bytes ({limit / MIB:g} MiB) this appliance "
+        "takes; the limit is [proxy] max_body_mib", "request_too_large",
+    )  # fmt: skip
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A `receive` that gives the body read here once, then the client's own messages (so a
+    client that leaves mid-stream is still seen leaving)."""
+    pending: list[bytes] = [body]
+
+    async def replay() -> Message:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+    """No websocket route exists here: 404 where the server can say so, else a close."""
+    message = await receive()
+    if message["type"] != "websocket.connect":
+        return
+    if "websocket.http.response" in scope.get("extensions", {}):
+        refusal = Refusal(
+            404, f"there is no route {route_path(scope)} on this appliance", "not_found"
+        )
+        body = refusal.body()
+        start = {"type": "websocket.http.response.start", "status": 404}
+        start["headers"] = [(b"content-type", b"application/json")]
+        await send(start)
+        await send({"type": "websocket.http.response.body", "body": body})
+        return
+    await send({"type": "websocket.close", "code": 1008})
+
+
+# --- installing it in the proxy -------------------------------------------------------------------
+
+
+def router_models() -> Collection[str] | None:
+    """The model names LiteLLM's router serves (the model and its aliases), once it has them."""
+    server = sys.modules.get("litellm.proxy.proxy_server")
+    router = getattr(server, "llm_router", None)
+    names = getattr(router, "model_names", None)
+    if not names:
+        return None
+    return {*names, *(getattr(router, "model_group_alias", None) or {})}
+
+
+def max_body_bytes(env: Mapping[str, str]) -> int:
+    value = env.get("B70_MAX_BODY_BYTES", "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_BODY_BYTES
+
+
+def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
+    """Put the door in front of a Starlette app's middleware stack, built or not; once."""
+    if getattr(server_app, "_b70_door", False):
+        return False
+    server_app._b70_door = True
+    stack = server_app.middleware_stack
+    if stack is not None:
+        server_app.middleware_stack = make(stack)
+        return True
+    build = server_app.build_middleware_stack
+    server_app.build_middleware_stack = lambda: make(build())
+    return True
+
+
+def install_in_proxy(env: Mapping[str, str] = os.environ) -> Backend | None:
+    """Put the door in front of the LiteLLM proxy's app, if this process runs one; its backend."""
+    server = sys.modules.get("litellm.proxy.proxy_server")
+    app = getattr(server, "app", None)
+    if app is None or not hasattr(app, "middleware_stack"):
+        return None
+    url = env.get("B70_BACKEND_URL")
+    backend = Backend(url) if url else None
+    limit = max_body_bytes(env)
+    install(app, lambda inner: Door(inner, backend, router_models, max_body_bytes=limit))
+    give_large_blocks_back()
+    return backend
+
+
+def give_large_blocks_back() -> None:
+    """Make glibc return every block of 128 KiB or more to the system when it is freed.
+
+    Refused bodies are read (up to the limit) and parsed here, in blocks of up to megabytes. By
+    default glibc raises its mmap threshold each time such a block is freed, so the next ones come
+    from the heap and stay in the proxy's RSS: 10 refused 50 MB chunked bodies and 10 refused
+    8 MiB ones left it 16 MiB larger for good, and it grew on. A fixed threshold
+    (M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_=131072 in the environment would set) keeps it
+    within a few MiB. Elsewhere than glibc this does nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)
