@@ -165,6 +165,12 @@ def test_a_killed_switch_to_another_runtime_leaves_boot_and_serving_agreeing(
     appliance.b70ctl("switch", "llamacpp", check=True)
     switch = start_switch(appliance, "vllm")
     assert wait_for_phase(appliance, switch, "start")
+    deadline = time.monotonic() + 60  # the phase is noted just before the StartUnit is sent
+    while appliance.manager.systemctl(
+        "show", "-p", "ActiveState", "--value", "b70-vllm"
+    ).strip() != ("activating"):
+        assert time.monotonic() < deadline, "the switch never started vLLM"
+        time.sleep(0.02)
     switch.send_signal(signal.SIGKILL)
     switch.communicate(timeout=60)
     # vLLM takes about half a minute to load: the first status finds systemd still at it.

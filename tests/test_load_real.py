@@ -73,7 +73,7 @@ def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Applian
     out = subprocess.run(
         [
             *(sys.executable, str(REPO / "scripts" / "soak.py"), "--user"),
-            *("--config", str(appliance.config), "--minutes", "1.5", "--switch-every", "0.4"),
+            *("--config", str(appliance.config), "--minutes", "2", "--switch-every", "0.4"),
             *("--clients", "4", "--sample-s", "2", "--warmup-s", "10", "--max-growth", "0.5"),
             "--json",
         ],
@@ -85,7 +85,7 @@ def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Applian
     assert out.returncode == 0, out.stderr + out.stdout[-2000:]
     doc = json.loads(out.stdout)
     assert doc["requests"]["failed"] == 0 and doc["requests"]["truncated"] == 0
-    assert doc["requests"]["succeeded"] >= 20 and doc["switches"] >= 2
+    assert doc["requests"]["succeeded"] >= 20 and doc["switches"] >= 1
     assert doc["switches_failed"] == 0
     samples = doc["samples"]
     assert len(samples) >= 20

@@ -233,6 +233,7 @@ def test_the_monitor_killed_while_it_restarts_a_runtime(
     """systemd finishes the restart the monitor asked for; systemd restarts the monitor, which
     keeps its count."""
     app, _, port = watched
+    app.manager.systemctl("reset-failed", "b70-flaky.service")  # the start limit counts anew
     wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
     counted = app.json("status")["result"]["monitor"]["restarts_by_monitor"]
     runtime, monitor = main_pid(app, "b70-flaky.service"), main_pid(app, "b70-monitor.service")
@@ -263,6 +264,7 @@ def test_the_monitor_killed_while_it_restarts_a_runtime(
 
 def test_a_runtime_that_cannot_come_back_fails_over(watched: tuple[Appliance, Path, int]) -> None:
     app, model, port = watched
+    app.manager.systemctl("reset-failed", "b70-flaky.service")  # the start limit counts anew
     wait_for(lambda: app.json("status")["result"]["active_runtime"] == "flaky", 60, "flaky serving")
     model.write_bytes(b"GGUF" + b"\0" * 64)  # its next start fails
     os.kill(main_pid(app, "b70-flaky.service"), signal.SIGKILL)
