@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import B70CTL, GGUF, LLAMA_SERVER, Appliance
-from tests.test_switch_real import start_switch
+from tests.test_switch_real import long_stream, start_switch
 
 # How long the appliance may take to serve again after a killed switch (the next command
 # recovers it; a llama-server restart takes a few seconds here).
@@ -52,22 +51,6 @@ def wait_for_phase(app: Appliance, switch: subprocess.Popen[str], phase: str) ->
     return False
 
 
-def long_stream(app: Appliance) -> Iterator[Any]:
-    """A streaming request that keeps llama-server busy for a few seconds; started."""
-    stream = app.client().chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Write a long story about the sea."}],
-        max_tokens=200,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        timeout=300,
-    )
-    chunks = iter(stream)
-    next(chunks)
-    return chunks
-
-
 def serving_again(app: Appliance) -> dict[str, Any]:
     """Status (the next command, which recovers a killed switch) until llama.cpp serves."""
     deadline = time.monotonic() + RECOVERY_S
@@ -90,7 +73,7 @@ def interrupt_at(
     for _ in range(3):
         app.b70ctl("switch", "llamacpp", check=True)
         before = main_pid(app, "b70-llamacpp.service")
-        stream = long_stream(app) if phase == "drain" else None
+        stream = long_stream(app, max_tokens=200) if phase == "drain" else None
         switch = start_switch(app, "llamacpp", "--restart")
         caught = wait_for_phase(app, switch, phase)
         if caught:

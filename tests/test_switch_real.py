@@ -8,7 +8,9 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -206,13 +208,12 @@ def test_a_foreign_gpu_holder_is_named_and_the_switch_refused(
     ]
 
 
-def test_without_the_drain_llama_server_cuts_the_stream_in_flight(appliance: Appliance) -> None:
-    """Why the drain exists: `--drain-timeout 0` restarts llama-server under a running stream."""
-    appliance.b70ctl("switch", "llamacpp", check=True)
-    stream = appliance.client().chat.completions.create(
+def long_stream(app: Appliance, max_tokens: int) -> Iterator[Any]:
+    """A streaming request that keeps llama-server busy for a while; its first chunk is read."""
+    stream = app.client().chat.completions.create(
         model="smollm2",
         messages=[{"role": "user", "content": "Write a long story about the sea."}],
-        max_tokens=300,
+        max_tokens=max_tokens,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
@@ -220,6 +221,13 @@ def test_without_the_drain_llama_server_cuts_the_stream_in_flight(appliance: App
     )
     chunks = iter(stream)
     next(chunks)
+    return chunks
+
+
+def test_without_the_drain_llama_server_cuts_the_stream_in_flight(appliance: Appliance) -> None:
+    """Why the drain exists: `--drain-timeout 0` restarts llama-server under a running stream."""
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    chunks = long_stream(appliance, max_tokens=300)
     switch = appliance.b70ctl("switch", "llamacpp", "--restart", "--drain-timeout", "0", "--json")
     assert switch.returncode == 0, switch.stderr
     assert "still in flight after 0 s" in " ".join(json.loads(switch.stdout)["result"]["notes"])
