@@ -394,7 +394,7 @@ class _Reader:
                 raise self.fail(p + "aliases", f"{alias!r}: {problem or 'repeats proxy.model'}")
         litellm = self.path_value(t, "litellm", p, "/") if "litellm" in t else None
         return ProxyConfig(
-            host=self.get(t, "host", p, str, "127.0.0.1", _host),
+            host=self.get(t, "host", p, str, "127.0.0.1", _listen_host),
             port=self.get(t, "port", p, int, 8000, _port),
             model=model,
             aliases=aliases,
@@ -662,6 +662,20 @@ def _host(value: str) -> str | None:
             "and an IPv6 address without brackets"
         )
     return f"{value!r} is not a host name or IP address"
+
+
+def _listen_host(value: str) -> str | None:
+    """The proxy's address: systemd binds it (ListenStream=), and takes no host names there."""
+    if (problem := _host(value)) or value.lower() in LOOPBACK_NAMES:
+        return problem
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return (
+            f"{value!r} is a host name; the proxy listens on an IP address: "
+            "0.0.0.0 (or ::) for every interface, or the address of one"
+        )
+    return None
 
 
 def is_loopback(host: str) -> bool:

@@ -17,8 +17,10 @@ from appliance.errors import ApplianceError
 from appliance.render import (
     MONITOR_UNIT,
     PROXY_CONFIG,
+    PROXY_SOCKET,
     PROXY_UNIT,
     SYSUSERS,
+    UNIT_SUFFIXES,
     Layout,
     changed_files,
     layout,
@@ -56,7 +58,7 @@ def verify_units(files: dict[str, str], scope: Scope) -> None:
     with tempfile.TemporaryDirectory(prefix="b70-verify.") as tmp:
         paths = []
         for name, text in files.items():
-            if name.endswith(".service"):
+            if name.endswith(UNIT_SUFFIXES):
                 (Path(tmp) / name).write_text(text)
                 paths.append(str(Path(tmp) / name))
         argv = ["systemd-analyze", "verify", "--man=no"]
@@ -156,7 +158,8 @@ def install(
     runtime_units = [rt.unit for rt in config.runtimes.values()]
     with systemd.connect(scope) as sd:
         if now:  # what would keep the units from starting, before anything is written
-            check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
+            if sd.state(PROXY_SOCKET).active_state != "active":  # else systemd holds it for us
+                check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
             check_port(sd, runtime_units, config.backend.port, "backend")
         key_created = ensure_key(lay)
         lay.state_dir.mkdir(parents=True, exist_ok=True)
@@ -167,7 +170,7 @@ def install(
             create_users(lay.destination(SYSUSERS))
         sd.reload()
         enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
-        to_enable = [PROXY_UNIT, MONITOR_UNIT] + (
+        to_enable = [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT] + (
             [] if enabled_runtime else [config.runtime(config.default_runtime).unit]
         )
         sd.enable(to_enable)
@@ -184,6 +187,15 @@ def install(
             return result
         proxy_changed = PROXY_UNIT in changed or PROXY_CONFIG in changed
         proxy_state = sd.state(PROXY_UNIT)
+        if PROXY_SOCKET in changed and sd.state(PROXY_SOCKET).active_state == "active":
+            # A new address: the socket is bound again. Stopping it stops the proxy (Requires=),
+            # which is then started below, with the new socket.
+            progress("restarting", PROXY_SOCKET)
+            sd.stop(PROXY_SOCKET)
+            for unit in (PROXY_UNIT, PROXY_SOCKET):
+                wait_stopped(sd, unit, 120)
+            sd.start(PROXY_SOCKET)
+            proxy_state = sd.state(PROXY_UNIT)
         if proxy_state.active_state == "active" and proxy_changed:
             progress("restarting", PROXY_UNIT)
             sd.manager.RestartUnit(PROXY_UNIT.encode(), b"replace")
@@ -231,7 +243,7 @@ def install(
 
 def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
     lay = layout(scope)
-    units = [rt.unit for rt in config.runtimes.values()] + [PROXY_UNIT, MONITOR_UNIT]
+    units = [rt.unit for rt in config.runtimes.values()] + [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
     removed = []
     with systemd.connect(scope) as sd:
         loaded = [u for u in units if sd.state(u).load_state != "not-found"]

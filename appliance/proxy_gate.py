@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hmac
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -309,7 +310,16 @@ def install_in_proxy(env: Mapping[str, str] = os.environ) -> Backend | None:
     limit = max_body_bytes(env)
     install(app, lambda inner: Door(inner, backend, router_models, max_body_bytes=limit))
     give_large_blocks_back()
+    quiet_access_log()
     return backend
+
+
+def quiet_access_log() -> None:
+    """No journal line per request. Under --run_gunicorn, LiteLLM's CLI gives gunicorn an access
+    log on stdout, and gunicorn's uvicorn workers write one line per request to it through the
+    `uvicorn.access` logger; that costs every request CPU here and in journald, which is why
+    LITELLM_LOG=ERROR already keeps LiteLLM's own per-request lines out."""
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
 def give_large_blocks_back() -> None:

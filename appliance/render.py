@@ -6,6 +6,7 @@ Rendering is pure: data in, {file name: text} out. `write_atomic` is the only wr
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import os
 import re
@@ -20,9 +21,11 @@ from appliance import runtimes, sandbox
 
 if TYPE_CHECKING:
     import jinja2
-from appliance.config import Config, Launcher, RuntimeConfig, Scope
+from appliance.config import LOOPBACK_NAMES, Config, Launcher, RuntimeConfig, Scope
 
 PROXY_UNIT = "b70-litellm.service"
+PROXY_SOCKET = "b70-litellm.socket"  # holds :8000 while the proxy restarts
+UNIT_SUFFIXES = (".service", ".socket")  # the files that go to the unit directory
 MONITOR_UNIT = "b70-monitor.service"
 INSTALLED_CONFIG = "appliance.toml"
 PROXY_CONFIG = "litellm.yaml"
@@ -69,7 +72,7 @@ class Layout:
     def destination(self, file_name: str) -> Path:
         if file_name == SYSUSERS:
             return Path("/etc/sysusers.d/b70.conf")
-        return (self.unit_dir if file_name.endswith(".service") else self.etc_dir) / file_name
+        return (self.unit_dir if file_name.endswith(UNIT_SUFFIXES) else self.etc_dir) / file_name
 
 
 def layout(scope: Scope) -> Layout:
@@ -207,9 +210,30 @@ def proxy_argv(config: Config, lay: Layout) -> list[str]:
     proxy = config.proxy
     argv = [litellm_path(config), "--config", str(lay.proxy_config)]
     argv += ["--host", proxy.host, "--port", str(proxy.port), "--num_workers", str(proxy.workers)]
-    # uvicorn gives each worker 5 s to answer its supervisor at start-up, less than LiteLLM takes
-    # to start on a busy machine; a worker that misses it is killed and started again, forever.
-    return [*argv, "--timeout_worker_healthcheck", "120"]
+    # Under gunicorn, because gunicorn takes its listening socket from systemd (LISTEN_FDS and
+    # LISTEN_PID, the sd_listen_fds protocol) in the process LiteLLM's CLI runs it in; --host and
+    # --port are then only what it prints. Run by hand, gunicorn binds them itself. The master
+    # loads LiteLLM once and forks the workers, and starts a dead worker again.
+    return [*argv, "--run_gunicorn"]
+
+
+def listen_address(host: str, port: int) -> str:
+    """The proxy's address as systemd's ListenStream= takes it (an IP address, not a name)."""
+    if host.lower() in LOOPBACK_NAMES:
+        host = "127.0.0.1"
+    if ipaddress.ip_address(host).version == 6:
+        return f"[{host}]:{port}"
+    return f"{host}:{port}"
+
+
+def render_proxy_socket(config: Config, lay: Layout) -> str:
+    return _render(
+        "litellm.socket.j2",
+        lay,
+        proxy=config.proxy,
+        listen=listen_address(config.proxy.host, config.proxy.port),
+        service=PROXY_UNIT,
+    )
 
 
 def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
@@ -240,6 +264,7 @@ def render_proxy_unit(config: Config, lay: Layout) -> str:
         "litellm.service.j2",
         lay,
         proxy=config.proxy,
+        socket=PROXY_SOCKET,
         system_scope=lay.scope is Scope.SYSTEM,
         key_file=str(lay.key_file),
         environment=[render_environment(k, v) for k, v in proxy_environment(config, lay).items()],
@@ -277,6 +302,7 @@ def render_all(config: Config, lay: Layout) -> dict[str, str]:
     """Every file an installation consists of (the secret key aside), by file name."""
     files = {rt.unit: render_runtime_unit(config, rt, lay) for rt in config.runtimes.values()}
     files[PROXY_UNIT] = render_proxy_unit(config, lay)
+    files[PROXY_SOCKET] = render_proxy_socket(config, lay)
     files[MONITOR_UNIT] = render_monitor_unit(config, lay)
     files[PROXY_CONFIG] = render_proxy_config(config, lay)
     if lay.scope is Scope.SYSTEM:  # the proxy has a user of its own

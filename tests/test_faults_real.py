@@ -216,55 +216,67 @@ def test_a_runtime_flag_it_does_not_know_rolls_back(appliance: Appliance, tmp_pa
 
 
 def test_the_proxy_killed_under_load_comes_back(appliance: Appliance) -> None:
-    """SIGKILL of the proxy while clients send requests: systemd restarts it. What clients see
-    until then is printed (the proxy's socket closes with it: connections are refused)."""
+    """SIGKILL of the proxy while clients send requests: systemd restarts it, and its socket
+    (b70-litellm.socket) stays open meanwhile, so a request sent then waits in the socket's queue
+    and is answered. The workers, stopped by systemd, finish what they serve. The one loss: a
+    request sent on a connection kept alive from before, just as the dying worker closes it,
+    fails at once (HTTP keep-alive's race; the OpenAI SDK's default retries send it again)."""
     import threading
 
     import openai
 
     appliance.b70ctl("switch", "llamacpp", check=True)
     stop = threading.Event()
-    outcomes: list[tuple[float, str]] = []
+    outcomes: list[tuple[float, float, str]] = []  # (sent, ended, "ok" or the error)
 
     def client() -> None:
-        c = appliance.client()
+        c = appliance.client()  # no retries: what a request meets is what it gets
         while not stop.is_set():
+            sent = time.monotonic()
             try:
                 c.chat.completions.create(
                     model="smollm2",
                     messages=[{"role": "user", "content": "Say yes."}],
                     max_tokens=4,
-                    timeout=30,
+                    timeout=240,
                 )
-                outcomes.append((time.monotonic(), "ok"))
+                outcomes.append((sent, time.monotonic(), "ok"))
             except openai.APIError as e:
-                outcomes.append((time.monotonic(), type(e).__name__))
+                outcomes.append((sent, time.monotonic(), f"{type(e).__name__}: {e}"))
                 time.sleep(0.2)
 
-    threads = [threading.Thread(target=client) for _ in range(4)]
+    clients = 4
+    threads = [threading.Thread(target=client) for _ in range(clients)]
     for t in threads:
         t.start()
     try:
         time.sleep(3)
         killed_at = time.monotonic()
         os.kill(main_pid(appliance, "b70-litellm.service"), signal.SIGKILL)
-        deadline = killed_at + 240
-        while not any(t > killed_at + 1 and kind == "ok" for t, kind in outcomes[-20:]):
+        deadline = killed_at + 300
+        while not any(sent > killed_at and kind == "ok" for sent, _, kind in outcomes):
             assert time.monotonic() < deadline, "the proxy did not come back"
             time.sleep(0.5)
-        back_at = min(t for t, kind in outcomes if t > killed_at + 1 and kind == "ok")
         time.sleep(2)
     finally:
         stop.set()
         for t in threads:
-            t.join(timeout=60)
-    errors: dict[str, int] = {}
-    for t, kind in outcomes:
-        if kind != "ok" and t > killed_at:
-            errors[kind] = errors.get(kind, 0) + 1
+            t.join(timeout=300)
+    after = [(sent, ended, kind) for sent, ended, kind in outcomes if sent > killed_at]
+    in_flight = [kind for sent, ended, kind in outcomes if sent <= killed_at < ended]
+    back_at = min(ended for sent, ended, kind in after if kind == "ok")
+    longest = max(ended - sent for sent, ended, kind in after)
     print(
-        f"\nproxy SIGKILL under load: serving again after {back_at - killed_at:.1f} s; "
-        f"clients saw {errors}"
+        f"\nproxy SIGKILL under load: first answer to a request sent after the kill "
+        f"{back_at - killed_at:.1f} s after it; {len(after)} requests sent after the kill, "
+        f"{sum(kind != 'ok' for *_, kind in after)} failed, the longest took {longest:.1f} s; "
+        f"in flight at the kill: {in_flight}"
     )
-    assert all(kind == "ok" for t, kind in outcomes if t > back_at + 1)
+    for sent, ended, kind in after:
+        if kind != "ok":
+            print(f"sent {sent - killed_at:+.2f} s after the kill, failed after {ended - sent:.2f} s: {kind}")
+    failed = [(sent - killed_at, kind) for sent, ended, kind in after if kind != "ok"]
+    assert len(failed) <= clients, failed
+    assert all(at < 3 and kind.startswith("APIConnectionError") for at, kind in failed), failed
+    assert all(kind == "ok" for kind in in_flight), in_flight
     assert appliance.json("status")["result"]["proxy"]["healthy"]

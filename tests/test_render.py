@@ -11,7 +11,7 @@ import pytest
 
 from appliance import config
 from appliance.config import Scope
-from appliance.render import layout, quote_exec_arg, render_all, render_exec
+from appliance.render import UNIT_SUFFIXES, layout, quote_exec_arg, render_all, render_exec
 from tests.conftest import REPO
 
 B70 = REPO / "examples" / "b70.toml"
@@ -45,7 +45,7 @@ def verify_root(tmp_path: Path, files: dict[str, str]) -> Path:
     shutil.copytree("/usr/lib/systemd/system", root / "usr/lib/systemd/system", symlinks=True)
     (root / "etc/systemd/system").mkdir(parents=True)
     for name, text in files.items():
-        if name.endswith(".service"):
+        if name.endswith(UNIT_SUFFIXES):
             (root / "etc/systemd/system" / name).write_text(text)
     for exe in STUB_EXECUTABLES:
         path = root / exe
@@ -66,7 +66,7 @@ def analyze_verify(root: Path, units: list[str]) -> str:
 
 def test_reference_units_pass_systemd_analyze_verify_silently(tmp_path: Path) -> None:
     files = rendered_b70()
-    units = [n for n in files if n.endswith(".service")]
+    units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
     assert analyze_verify(verify_root(tmp_path, files), units) == ""
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from appliance import config
 from appliance.config import Scope
-from appliance.render import layout, render_all
+from appliance.render import UNIT_SUFFIXES, layout, render_all
 from tests.conftest import REPO
 from tests.test_render import analyze_verify, unit_lines, verify_root
 
@@ -213,5 +213,5 @@ def test_paths_under_tmp_are_bound_into_the_private_tmp(tmp_path: Path) -> None:
     llama = files["b70-llamacpp.service"]
     assert unit_lines(llama, "PrivateTmp") == ["yes"]
     assert unit_lines(llama, "BindReadOnlyPaths") == ['"-/tmp/b70 odd %%dir \\"q\\" \\\\b"']
-    units = [n for n in files if n.endswith(".service")]
+    units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
     assert analyze_verify(verify_root(tmp_path, files), units) == ""
