@@ -60,13 +60,14 @@ def from_exception(error: BaseException) -> ApplianceError:
             code="decode_error",
         )
     if isinstance(error, OSError):
+        import errno
+
         where = f"{error.filename}: " if error.filename is not None else ""
         also = f" ({error.filename2})" if error.filename2 is not None else ""
-        return ApplianceError(
-            f"{where}{error.strerror or error}{also}",
-            hint="check the path, its permissions and the free space there",
-            code="os_error",
-        )
+        hint = "check the path, its permissions and the free space there"
+        if error.errno in (errno.ENOSPC, errno.EDQUOT) and error.filename is not None:
+            hint = f"the file system is full: free space there (df -h {error.filename})"
+        return ApplianceError(f"{where}{error.strerror or error}{also}", hint=hint, code="os_error")
     if type(error).__module__.startswith("pystemd"):
         return ApplianceError(
             f"systemd answered: {error}",

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.errors import ApplianceError
+
 HOLD_FILE = "hold.json"
 HELD_DIR = "held"
 BYPASS_HEADER = "x-b70-hold-token"
@@ -70,7 +72,15 @@ def marked(state_dir: Path, target: str) -> Iterator[Mark]:
     mark = Mark(os.getpid(), target, time.time(), secrets.token_hex(16))
     record = {**mark.__dict__, "pid_start": start_time(mark.pid)}
     path = state_dir / HOLD_FILE
-    _write(path, json.dumps(record) + "\n")
+    try:
+        _write(path, json.dumps(record) + "\n")
+    except OSError as e:
+        raise ApplianceError(
+            f"cannot write the hold mark {path}: {e.strerror or e}; nothing was changed",
+            hint=f"free space on the file system of {state_dir} (df -h {state_dir}), "
+            "or fix its permissions; then switch again",
+            code="state_unwritable",
+        ) from None
     try:
         yield mark
     finally:

@@ -63,6 +63,7 @@ class Memory:
     failovers: int = 0
     started_at: float = field(default_factory=time.time)
     hold_until: float = 0.0  # after a failed failover: observe only, until then
+    unsaved: str | None = None  # why the state file could not be written, while it cannot
 
 
 @dataclass(frozen=True)
@@ -204,11 +205,24 @@ def act(
         log(f"failover to {action.runtime} failed: {e.message}; again in {FAILOVER_BACKOFF_S} s")
 
 
-def save(state_dir: Path, m: Memory, o: Observation | None) -> dict[str, Any]:
+def save(state_dir: Path, m: Memory, o: Observation | None, log: Any = None) -> dict[str, Any]:
+    """Write the monitor's state for `status` and its next start. A state that cannot be
+    written (a full file system) is logged once, not fatal: the monitor goes on watching, and
+    its counters live on in memory until the file can be written again."""
     doc = asdict(m)
     doc["last_observation"] = asdict(o) if o else None
     doc["pid"] = os.getpid()
-    write_atomic(state_dir / STATE_FILE, json.dumps(doc, sort_keys=True) + "\n")
+    try:
+        write_atomic(state_dir / STATE_FILE, json.dumps(doc, sort_keys=True) + "\n")
+    except OSError as e:
+        problem = f"cannot save the monitor's state: {e.filename}: {e.strerror or e}"
+        if log is not None and m.unsaved != problem:
+            log(problem + "; it is kept in memory until it can be written")
+        m.unsaved = problem
+        return doc
+    if log is not None and m.unsaved:
+        log("the monitor's state is saved again")
+    m.unsaved = None
     return doc
 
 
@@ -235,7 +249,7 @@ def restore(state_dir: Path) -> Memory:
 def read_state(state_dir: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((state_dir / STATE_FILE).read_text())
-    except (FileNotFoundError, ValueError):
+    except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -257,14 +271,14 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
             action = judge(m, o, mon.hang_after, mon.restart_tries, mon.fallback)
             if action:
                 act(config, scope, sd, action, m, log)
-                save(lay.state_dir, m, o)  # a monitor killed right after still counts it
+                save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
             units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
             units[PROXY_UNIT] = sd.state(PROXY_UNIT)
         proxy = health.probe(
             runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
         )
         exporter.update(o, m, units, proxy.healthy, gpu.snapshot(gpu.sysroot()), lay.state_dir)
-        doc = save(lay.state_dir, m, o)
+        doc = save(lay.state_dir, m, o, log)
         if once:
             return doc
         time.sleep(mon.interval_s)

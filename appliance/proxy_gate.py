@@ -45,8 +45,10 @@ import contextlib
 import ctypes
 import hmac
 import logging
+import math
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
@@ -57,6 +59,8 @@ Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Any, Receive, Send], Awaitable[None]]
+# Waits until the runtime serves again, at most the seconds given; the seconds waited, or None.
+WaitReady = Callable[[float], Awaitable[float | None]]
 
 MIB = 1024 * 1024
 DEFAULT_MAX_BODY_BYTES = 8 * MIB
@@ -143,12 +147,18 @@ class Door:
         models: Callable[[], Collection[str] | None],
         key: Callable[[], str] = lambda: os.environ.get("LITELLM_MASTER_KEY", ""),
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        wait_ready: WaitReady | None = None,
+        hold_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.app = app
         self.backend = backend
         self.models = models
         self.key = key
         self.max_body_bytes = max_body_bytes
+        self.wait_ready = wait_ready
+        self.hold_s = hold_s
+        self.clock = clock
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -157,8 +167,9 @@ class Door:
         if scope["type"] != "http":
             await _refuse_websocket(scope, receive, send)
             return
+        arrived = self.clock()
         try:
-            receive = await self.check(scope, receive)
+            body = await self.check(scope, receive)
         except Refusal as refusal:
             # Its traceback holds the frames that hold the request (megabytes, maybe): let them
             # go now rather than at the next collection of reference cycles.
@@ -167,10 +178,44 @@ class Door:
             return
         except _Disconnected:
             return
-        await self.app(scope, receive, send)
+        if body is None:
+            await self.app(scope, receive, send)
+        else:
+            await self.forward(scope, body, receive, send, arrived)
 
-    async def check(self, scope: Scope, receive: Receive) -> Receive:
-        """Refuses the request, or gives the `receive` LiteLLM reads it from."""
+    async def forward(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, arrived: float
+    ) -> None:
+        """A request to the model, to LiteLLM; sent again if the runtime died before answering.
+
+        The runtime's death reaches LiteLLM as a failed connection (refused, reset, or closed
+        without an answer), which it answers 500. If that happens before the client got a byte,
+        the answer is kept back, the request waits like any held request until the runtime
+        serves again (the hold: a restart by systemd or the monitor, or a switch), and it is
+        sent again, within the hold time from its arrival. At most REPLAYS times: a request
+        that kills the runtime each time it is sent must not keep killing it. An answer that
+        has begun (a stream's first event) is never taken back."""
+        for attempt in range(REPLAYS + 1):
+            held = _HeldFailure(send) if self.wait_ready is not None else None
+            await self.app(scope, _replay(body, receive), held or send)
+            if held is None or not held.kept_back:
+                return
+            left = self.hold_s - (self.clock() - arrived)
+            if attempt == REPLAYS or left <= 0:
+                await held.release()
+                return
+            assert self.wait_ready is not None
+            waited = await self.wait_ready(left)
+            if waited is None:
+                await _runtime_gone(self.clock() - arrived, self.hold_s).send(send)
+                return
+            log(
+                f"b70: {route_path(scope)}: the runtime failed before answering; sent again "
+                f"after {waited:.1f} s (attempt {attempt + 2} of {REPLAYS + 1})"
+            )
+
+    async def check(self, scope: Scope, receive: Receive) -> bytes | None:
+        """Refuses the request, or gives the body read here (None: no body is read here)."""
         path, method, models = route_path(scope), str(scope["method"]), self.models()
         route = route_of(path, models)
         if route is None:
@@ -183,12 +228,12 @@ class Door:
                 headers={"Allow": allow},
             )  # fmt: skip
         if kind == PROBE or method == "OPTIONS":
-            return receive
+            return None
         problem = key_problem(_header(scope, b"authorization"), self.key())
         if problem is not None:
             raise unauthorized(problem)
         if kind == MODELS:
-            return receive
+            return None
         media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if media_type in FORM_TYPES:  # LiteLLM would read a form, not the JSON checked here
             raise Refusal(
@@ -202,7 +247,7 @@ class Door:
         refusal = await check_request(kind, data, len(body), models, self.backend)
         if refusal is not None:
             raise refusal
-        return _replay(body, receive)
+        return body
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
@@ -249,6 +294,78 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+# What LiteLLM says when the connection to the runtime failed before any answer: aiohttp's and
+# httpx's words for a refused, reset or closed connection, and the OpenAI SDK's.
+CONNECTION_FAILED = (
+    b"Cannot connect to host",
+    b"Connection refused",
+    b"Connection reset",
+    b"Server disconnected",
+    b"ServerDisconnectedError",
+    b"RemoteProtocolError",
+    b"ConnectError",
+    b"Connection error",
+)
+REPLAYS = 2
+
+
+class _HeldFailure:
+    """A `send` that keeps back a 500 or 502 answer about a failed connection to the runtime;
+    anything else passes through as it comes."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.start: Message | None = None
+        self.body: list[bytes] = []
+        self.kept_back = False
+        self.passing = False
+
+    async def __call__(self, message: Message) -> None:
+        if self.passing:
+            await self.send(message)
+            return
+        if message["type"] == "http.response.start":
+            if message.get("status") in (500, 502):
+                self.start = message
+                return
+            self.passing = True
+            await self.send(message)
+            return
+        if message["type"] != "http.response.body" or self.start is None:
+            await self.send(message)
+            return
+        self.body.append(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        text = b"".join(self.body)
+        if any(words in text for words in CONNECTION_FAILED):
+            self.kept_back = True  # forward() sends the request again, or release()s this
+            return
+        await self.release()
+
+    async def release(self) -> None:
+        """Send what was kept back, as LiteLLM gave it."""
+        self.passing = True
+        if self.start is not None:
+            await self.send(self.start)
+            await self.send({"type": "http.response.body", "body": b"".join(self.body)})
+
+
+def log(line: str) -> None:
+    """One line to the proxy's journal (stderr)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _runtime_gone(waited_s: float, hold_s: float) -> Refusal:
+    retry_after = max(1, round(min(hold_s / 4, 30)))
+    return Refusal(
+        503, f"the model is not available: the runtime stopped answering this request and did "
+        f"not serve again in time; it waited {waited_s:.0f} s. Retry after {retry_after} s.",
+        "b70_hold_timeout", kind="service_unavailable",
+        headers={"Retry-After": str(retry_after)},
+    )  # fmt: skip
+
+
 async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
     """No websocket route exists here: 404 where the server can say so, else a close."""
     message = await receive()
@@ -285,6 +402,14 @@ def max_body_bytes(env: Mapping[str, str]) -> int:
     return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_BODY_BYTES
 
 
+def hold_seconds(env: Mapping[str, str]) -> float:
+    try:
+        value = float(env.get("B70_HOLD_S", "300"))
+    except ValueError:
+        return 300.0
+    return value if math.isfinite(value) and value >= 0 else 300.0
+
+
 def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
     """Put the door in front of a Starlette app's middleware stack, built or not; once."""
     if getattr(server_app, "_b70_door", False):
@@ -299,8 +424,11 @@ def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
     return True
 
 
-def install_in_proxy(env: Mapping[str, str] = os.environ) -> Backend | None:
-    """Put the door in front of the LiteLLM proxy's app, if this process runs one; its backend."""
+def install_in_proxy(
+    wait_ready: WaitReady | None = None, env: Mapping[str, str] = os.environ
+) -> Backend | None:
+    """Put the door in front of the LiteLLM proxy's app, if this process runs one; its backend.
+    `wait_ready`: the request hold, for requests sent again after the runtime died."""
     server = sys.modules.get("litellm.proxy.proxy_server")
     app = getattr(server, "app", None)
     if app is None or not hasattr(app, "middleware_stack"):
@@ -308,7 +436,14 @@ def install_in_proxy(env: Mapping[str, str] = os.environ) -> Backend | None:
     url = env.get("B70_BACKEND_URL")
     backend = Backend(url) if url else None
     limit = max_body_bytes(env)
-    install(app, lambda inner: Door(inner, backend, router_models, max_body_bytes=limit))
+    hold_s = hold_seconds(env)
+    install(
+        app,
+        lambda inner: Door(
+            inner, backend, router_models, max_body_bytes=limit, wait_ready=wait_ready,
+            hold_s=hold_s,
+        ),
+    )  # fmt: skip
     give_large_blocks_back()
     quiet_access_log()
     return backend

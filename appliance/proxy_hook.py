@@ -85,22 +85,23 @@ class Gate:
             return None
         return "the backend is not healthy"
 
-    async def wait(self, token: str | None = None) -> float:
-        """Seconds waited; raises HoldTimeout when the hold time runs out."""
+    async def wait(self, token: str | None = None, limit_s: float | None = None) -> float:
+        """Seconds waited; raises HoldTimeout when the hold time (or `limit_s`) runs out."""
         why = await self.blocked(token)
         if why is None:
             return 0.0
+        limit = self.hold_s if limit_s is None else min(limit_s, self.hold_s)
         start = self.clock()
         self._count(now=+1, total=+1)
         try:
             while why is not None:
                 waited = self.clock() - start
-                if waited >= self.hold_s:
+                if waited >= limit:
                     self._count(timed_out=+1)
                     raise HoldTimeout(
                         why, waited, retry_after_s=max(1, round(min(self.hold_s / 4, 30)))
                     )
-                await self.sleep(min(POLL_S, self.hold_s - waited))
+                await self.sleep(min(POLL_S, limit - waited))
                 why = await self.blocked(token)
             return self.clock() - start
         finally:
@@ -202,8 +203,18 @@ class HoldHook(CustomLogger):
 
 PROVIDER_ERROR = "Hosted_vllmException"  # LiteLLM's name for errors of the hosted_vllm route
 
+
+async def wait_ready(limit_s: float) -> float | None:
+    """For the door: hold a request whose runtime died until it serves again (or `limit_s`)."""
+    hold.gate.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
+    try:
+        return await hold.gate.wait(limit_s=limit_s)
+    except HoldTimeout:
+        return None
+
+
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
-hold = HoldHook(backend=proxy_gate.install_in_proxy())
+hold = HoldHook(backend=proxy_gate.install_in_proxy(wait_ready))
 
 
 # --- the API key --------------------------------------------------------------------------------

@@ -31,13 +31,20 @@ class SwitchLock:
         self.info = info
         # What a killed switch left in the file before this one took the lock, if anything.
         self.stale = stale
+        self.unwritten: str | None = None
 
     def note(self, **fields: Any) -> None:
-        """Record how far the switch got (previous runtime, phase), in place."""
+        """Record how far the switch got (previous runtime, phase), in place.
+
+        Only a trace for the next command if this one is killed: a note that cannot be written
+        (a full file system) never stops a switch half-way; `unwritten` says why it was not."""
         self.info.update(fields)
         data = json.dumps(self.info).encode()
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, data, 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, data, 0)
+        except OSError as e:
+            self.unwritten = e.strerror or str(e)
 
     def clear_stale(self) -> None:
         self.stale = None
@@ -129,12 +136,21 @@ def _read_holder(fd: int) -> str:
         return "(its details are not written yet)"
 
 
-def record_switch(state_dir: Path, record: dict[str, Any]) -> None:
-    state_dir.mkdir(parents=True, exist_ok=True)
+def record_switch(state_dir: Path, record: dict[str, Any]) -> str | None:
+    """Keep a switch's outcome for `status`; what kept it from being written, or None.
+
+    Never raises: the switch has happened by now, and a full file system must not turn it
+    into a failure, nor hide the failure it records."""
     line = json.dumps(record, sort_keys=True)
-    write_atomic(state_dir / LAST_SWITCH, line + "\n")
-    with open(state_dir / HISTORY, "a") as f:
-        f.write(line + "\n")
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(state_dir / LAST_SWITCH, line + "\n")
+        with open(state_dir / HISTORY, "a") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        why = e.strerror or str(e)
+        return f"this switch was not recorded in {state_dir}: {why}; `status` shows the one before"
+    return None
 
 
 def last_switch(state_dir: Path) -> dict[str, Any] | None:

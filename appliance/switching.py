@@ -450,7 +450,11 @@ def switch(
             result = SwitchResult(
                 target_name, previous, False, time.monotonic() - t0, phases, notes, error=e.message
             )
-            state.record_switch(lay.state_dir, {**result.record(), "interrupted": True})
+            unrecorded = state.record_switch(
+                lay.state_dir, {**result.record(), "interrupted": True}
+            )
+            if unrecorded:
+                e.message += f"; {unrecorded}"
             raise
 
 
@@ -513,11 +517,11 @@ def _switch_held(
             result.phases = phases
             result.seconds = time.monotonic() - t0
             result.notes = notes
-            state.record_switch(
+            unrecorded = state.record_switch(
                 lay.state_dir, {**result.record(), "interrupted": interrupts.received is not None}
             )
             raise ApplianceError(
-                result.error or failure.message,
+                (result.error or failure.message) + (f"\n{unrecorded}" if unrecorded else ""),
                 hint=f"journal: {' '.join(systemd.journal_command(scope, target.unit, 50))}",
                 code="switch_failed",
                 details={"switch": result.record(), "journal": result.journal},
@@ -525,9 +529,11 @@ def _switch_held(
     phases.update(timings)
     enable_only(config, sd, target_name)
     result = SwitchResult(target_name, previous, True, time.monotonic() - t0, phases, notes, answer)
-    state.record_switch(
+    unrecorded = state.record_switch(
         lay.state_dir, {**result.record(), "interrupted": interrupts.received is not None}
     )
+    if unrecorded:
+        notes.append(unrecorded)
     if interrupts.received:
         raise SwitchInterrupted(
             f"interrupted by {interrupts.received} after {target_name} had begun to start; the "
@@ -599,8 +605,8 @@ def recover_killed(
         "interrupted": True,
         "error": error,
     }
-    state.record_switch(lay.state_dir, record)
-    progress("recovered", error)
+    unrecorded = state.record_switch(lay.state_dir, record)
+    progress("recovered", error + (f" ({unrecorded})" if unrecorded else ""))
     return done
 
 

@@ -584,7 +584,7 @@ def test_install_wraps_a_built_stack_in_place_and_an_unbuilt_one_when_it_is_buil
 
 
 def test_install_in_proxy_does_nothing_outside_the_proxy() -> None:
-    assert proxy_gate.install_in_proxy({"B70_BACKEND_URL": "http://x"}) is None
+    assert proxy_gate.install_in_proxy(None, {"B70_BACKEND_URL": "http://x"}) is None
 
 
 @pytest.mark.parametrize(
@@ -593,3 +593,145 @@ def test_install_in_proxy_does_nothing_outside_the_proxy() -> None:
 )
 def test_the_body_limit_comes_from_the_environment(value: str, limit: int) -> None:
     assert proxy_gate.max_body_bytes({"B70_MAX_BODY_BYTES": value}) == limit
+
+
+# --- a request whose runtime died before it answered is sent again ----------------------------
+
+
+def litellm_500(message: str) -> bytes:
+    return json.dumps(
+        {"error": {"message": message, "type": None, "param": None, "code": "500"}}
+    ).encode()
+
+
+REFUSED = litellm_500(
+    "litellm.InternalServerError: Hosted_vllmException - Cannot connect to host "
+    "127.0.0.1:8001 ssl:default [Connection refused]"
+)
+OTHER_500 = litellm_500("litellm.InternalServerError: the runtime said: out of memory")
+
+
+class Failing:
+    """LiteLLM's place, with a runtime that is down for the first `fails` requests: each gets
+    LiteLLM's 500 about the failed connection; then 200, as a stream or not."""
+
+    def __init__(self, fails: int, error: bytes = REFUSED, stream: bool = False) -> None:
+        self.fails, self.error, self.stream = fails, error, stream
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        self.bodies.append(body)
+        if len(self.bodies) <= self.fails:
+            start = {"type": "http.response.start", "status": 500}
+            await send({**start, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": self.error})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if self.stream:
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b'{"ok": true}'})
+
+
+class Ready:
+    """The hold, as the door sees it: how long each wait took, or None when it ran out."""
+
+    def __init__(self, clock: Clock, waits: list[float | None]) -> None:
+        self.clock, self.waits = clock, list(waits)
+        self.asked: list[float] = []
+
+    async def __call__(self, limit_s: float) -> float | None:
+        self.asked.append(limit_s)
+        waited = self.waits.pop(0) if self.waits else 0.0
+        if waited is None:
+            self.clock.now += limit_s
+            return None
+        self.clock.now += waited
+        return waited
+
+
+def replaying(inner: Any, ready: Ready, clock: Clock, hold_s: float = 60) -> proxy_gate.Door:
+    return proxy_gate.Door(
+        inner, None, lambda: MODELS, lambda: KEY, max_body_bytes=LIMIT, wait_ready=ready,
+        hold_s=hold_s, clock=clock,
+    )  # fmt: skip
+
+
+def test_a_request_whose_runtime_died_waits_and_is_sent_again_whole() -> None:
+    clock = Clock()
+    inner, ready = Failing(fails=1), Ready(clock, [6.5])
+    body = chat(max_tokens=5)
+    answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", body, AUTH)
+    assert (answer.status, answer.body) == (200, b'{"ok": true}')
+    assert inner.bodies == [body, body]
+    assert ready.asked == [60]
+
+
+def test_it_is_sent_again_at_most_twice_then_litellms_answer_goes_out() -> None:
+    """A request that kills the runtime each time must not keep killing it."""
+    clock = Clock()
+    inner, ready = Failing(fails=5), Ready(clock, [1.0, 1.0])
+    answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", chat(), AUTH)
+    assert (answer.status, answer.body) == (500, REFUSED)
+    assert len(inner.bodies) == 1 + proxy_gate.REPLAYS == 3
+
+
+def test_the_wait_is_within_the_hold_time_from_arrival_and_ends_in_a_503() -> None:
+    clock = Clock()
+
+    class Slow(Failing):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            clock.now += 20  # LiteLLM's own attempts took this long
+            await super().__call__(scope, receive, send)
+
+    inner, ready = Slow(fails=5), Ready(clock, [None])
+    answer = call(replaying(inner, ready, clock, hold_s=60), "POST", "/v1/completions",
+                  json.dumps({"model": "smollm2", "prompt": "hi"}).encode(), AUTH)  # fmt: skip
+    assert ready.asked == [40]
+    assert answer.status == 503 and answer.headers["retry-after"] == "15"
+    assert answer.error["code"] == "b70_hold_timeout"
+    assert "stopped answering" in answer.error["message"]
+    assert len(inner.bodies) == 1
+
+
+def test_a_hold_time_used_up_sends_litellms_answer_without_waiting() -> None:
+    clock = Clock()
+
+    class Slow(Failing):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            clock.now += 61
+            await super().__call__(scope, receive, send)
+
+    inner, ready = Slow(fails=5), Ready(clock, [])
+    answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", chat(), AUTH)
+    assert (answer.status, answer.body, ready.asked) == (500, REFUSED, [])
+
+
+def test_other_failures_and_begun_answers_pass_as_they_are() -> None:
+    clock = Clock()
+    inner, ready = Failing(fails=1, error=OTHER_500), Ready(clock, [])
+    answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", chat(), AUTH)
+    assert (answer.status, answer.body, len(inner.bodies)) == (500, OTHER_500, 1)
+    inner, ready = Failing(fails=0, stream=True), Ready(clock, [])
+    answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", chat(), AUTH)
+    assert (answer.status, answer.body) == (200, b'data: 1\n\n{"ok": true}')
+    assert ready.asked == []
+
+
+def test_without_a_hold_nothing_is_kept_back() -> None:
+    inner = Failing(fails=1)
+    app = proxy_gate.Door(inner, None, lambda: MODELS, lambda: KEY, max_body_bytes=LIMIT)
+    answer = call(app, "POST", "/v1/chat/completions", chat(), AUTH)
+    assert (answer.status, answer.body, len(inner.bodies)) == (500, REFUSED, 1)
+
+
+@pytest.mark.parametrize(
+    ("value", "hold_s"), [("", 300.0), ("120", 120.0), ("x", 300.0), ("inf", 300.0)]
+)
+def test_the_hold_time_comes_from_the_environment(value: str, hold_s: float) -> None:
+    assert proxy_gate.hold_seconds({"B70_HOLD_S": value} if value else {}) == hold_s

@@ -90,6 +90,18 @@ def test_the_hold_runs_out_with_a_reason_and_a_retry_after(tmp_path: Path) -> No
     assert hold.read_counts(tmp_path) == hold.HeldCounts(now=0, total=1, timed_out=1)
 
 
+def test_a_shorter_limit_ends_the_wait_sooner_and_never_a_longer_one(tmp_path: Path) -> None:
+    """The door's wait for a runtime that died: what is left of the request's hold time."""
+    clock, backend = Clock(), Backend(healthy=False)
+    g = gate(tmp_path, backend, clock, hold_s=8)
+    with pytest.raises(proxy_hook.HoldTimeout) as e:
+        asyncio.run(g.wait(limit_s=3))
+    assert e.value.waited_s == pytest.approx(3)
+    with pytest.raises(proxy_hook.HoldTimeout) as e:
+        asyncio.run(g.wait(limit_s=100))
+    assert e.value.waited_s == pytest.approx(8)
+
+
 def test_the_switch_own_token_passes_the_hold_and_a_wrong_one_does_not(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend(healthy=False)
     g = gate(tmp_path, backend, clock, hold_s=1)
