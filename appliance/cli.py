@@ -171,6 +171,8 @@ def install(ctx: Context, now: bool) -> None:
     if ctx.json:
         output.emit_json(dataclasses.asdict(result))
         return
+    for path in result.removed:
+        click.echo(f"removed {path}: its runtime is not in the config any more")
     for path in result.written:
         click.echo(f"wrote {path}")
     if not result.written:
@@ -192,7 +194,11 @@ def install(ctx: Context, now: bool) -> None:
 
 
 @cli.command()
-@click.option("--purge", is_flag=True, help="Also delete the proxy key and the switch records.")
+@click.option(
+    "--purge",
+    is_flag=True,
+    help="Also delete the proxy key, the switch records and each unit's cache directory.",
+)
 @with_json
 def uninstall(ctx: Context, purge: bool) -> None:
     """Stop and disable every b70 unit and remove the installed files.

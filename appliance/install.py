@@ -136,6 +136,28 @@ def create_users(sysusers_file: Path) -> None:
         )
 
 
+RENDERED_MARK = "# Rendered by b70ctl"  # the first line of every unit b70ctl writes
+
+
+def dropped_units(files: dict[str, str], lay: Layout) -> list[str]:
+    """Installed b70 units that this config no longer renders: runtimes taken out of it.
+
+    Only files b70ctl wrote itself (its first line says so) are named; a unit of the user's own
+    that happens to be called b70-*.service is left alone."""
+    found = []
+    for path in sorted(lay.unit_dir.glob("b70-*")):
+        if path.name in files or not path.name.endswith(UNIT_SUFFIXES):
+            continue
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                first = f.readline()
+        except OSError:
+            continue
+        if first.startswith(RENDERED_MARK):
+            found.append(path.name)
+    return found
+
+
 @dataclass
 class InstallResult:
     scope: str
@@ -146,6 +168,7 @@ class InstallResult:
     started: list[str]
     notes: list[str] = field(default_factory=list)
     config: ConfigChange | None = None
+    removed: list[str] = field(default_factory=list)
 
 
 def install(
@@ -163,6 +186,16 @@ def install(
             check_port(sd, runtime_units, config.backend.port, "backend")
         key_created = ensure_key(lay)
         lay.state_dir.mkdir(parents=True, exist_ok=True)
+        dropped = dropped_units(files, lay)
+        for unit in dropped:  # before the new units start: they may share its port and GPU
+            progress("removing", f"{unit} (not in the config any more)")
+            sd.stop(unit)
+            wait_stopped(sd, unit, 300)
+        if dropped:
+            sd.disable(dropped)
+            for unit in dropped:
+                lay.destination(unit).unlink(missing_ok=True)
+                sd.reset_failed(unit)
         for name, text in changed.items():
             write_atomic(lay.destination(name), text)
         config_change = install_config(config, lay)
@@ -182,6 +215,7 @@ def install(
             enabled=to_enable,
             started=[],
             config=config_change,
+            removed=[str(lay.destination(u)) for u in dropped],
         )
         if not now:
             return result
@@ -258,6 +292,11 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
                 path.unlink()
                 removed.append(str(path))
         if purge:
+            for unit in units:  # each unit's CacheDirectory= (compiled kernels, LiteLLM's)
+                cache = lay.cache_root / unit.removesuffix(".service")
+                if unit.endswith(".service") and cache.is_dir() and not cache.is_symlink():
+                    shutil.rmtree(cache)
+                    removed.append(str(cache))
             for path in [lay.key_file]:
                 if path.exists():
                     path.unlink()

@@ -66,6 +66,13 @@ class Layout:
         return self.etc_dir / INSTALLED_CONFIG
 
     @property
+    def cache_root(self) -> Path:
+        """Where each unit's CacheDirectory= is (systemd's %C)."""
+        if self.scope is Scope.SYSTEM:
+            return Path("/var/cache")
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+    @property
     def wanted_by(self) -> str:
         return "multi-user.target" if self.scope is Scope.SYSTEM else "default.target"
 

@@ -9,6 +9,7 @@ from appliance import health, hold, runtimes, state, systemd
 from appliance.config import Config, Launcher, Scope
 from appliance.render import (
     MONITOR_UNIT,
+    PROXY_SOCKET,
     PROXY_UNIT,
     layout,
 )
@@ -16,7 +17,8 @@ from appliance.render import (
 
 def status(config: Config, scope: Scope) -> dict[str, Any]:
     lay = layout(scope)
-    units = [rt.unit for _, rt in sorted(config.runtimes.items())] + [PROXY_UNIT, MONITOR_UNIT]
+    units = [rt.unit for _, rt in sorted(config.runtimes.items())]
+    units += [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
     with systemd.connect(scope) as sd:
         killed = recover_killed_switch(config, sd, lay.state_dir)
         states = {u: sd.state(u) for u in units}

@@ -68,6 +68,7 @@ def running_manager(root: Path) -> Iterator[Manager]:
     env = dict(os.environ)
     env["XDG_CONFIG_HOME"] = str(root / "config")
     env["XDG_STATE_HOME"] = str(root / "state")
+    env["XDG_CACHE_HOME"] = str(root / "cache")  # the units' caches, which --purge deletes
     script = str(REPO / "scripts" / "user-manager")
     subprocess.run([script, "start", str(root / "mgr")], env=env, check=True)
     for line in (root / "mgr" / "env").read_text().splitlines():
@@ -86,7 +87,13 @@ def running_manager(root: Path) -> Iterator[Manager]:
                 os.environ[key] = value
 
 
-MANAGER_VARS = ("XDG_RUNTIME_DIR", "XDG_CONFIG_HOME", "XDG_STATE_HOME", "B70_JOURNAL_DIR")
+MANAGER_VARS = (
+    "XDG_RUNTIME_DIR",
+    "XDG_CONFIG_HOME",
+    "XDG_STATE_HOME",
+    "XDG_CACHE_HOME",
+    "B70_JOURNAL_DIR",
+)
 
 
 @pytest.fixture(scope="session")

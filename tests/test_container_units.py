@@ -233,6 +233,9 @@ def test_uninstall_stops_and_removes_everything_and_can_run_twice(
     assert (config_home / "b70" / "proxy.env").exists()  # kept without --purge
     for unit in ("b70-llamacpp.service", "b70-ctr.service", "b70-litellm.service"):
         assert app.manager.systemctl("is-active", unit).strip() == "inactive"
+    cache = Path(app.manager.env["XDG_CACHE_HOME"]) / "b70-litellm"
+    assert cache.is_dir(), "the proxy's CacheDirectory= (kept without --purge)"
     again = app.b70ctl("uninstall", "--purge")
     assert again.returncode == 0, again.stderr
     assert not (config_home / "b70" / "proxy.env").exists()
+    assert not cache.exists()

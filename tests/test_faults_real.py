@@ -172,6 +172,7 @@ def test_a_killed_switch_to_another_runtime_leaves_boot_and_serving_agreeing(
         "b70-broken.service": "disabled",
         "b70-llamacpp.service": "disabled",
         "b70-vllm.service": "enabled",
+        "b70-litellm.socket": "enabled",
         "b70-litellm.service": "enabled",
         "b70-monitor.service": "enabled",
     }

@@ -101,3 +101,24 @@ def test_two_managers_on_one_machine_do_not_touch_each_other(
     fresh.b70ctl("uninstall", check=True)
     assert main_pid() == before != "0"
     assert appliance.ask().strip()
+
+
+def test_a_runtime_taken_out_of_the_config_is_removed_and_a_foreign_unit_is_kept(
+    fresh: Appliance,
+) -> None:
+    fresh.b70ctl("install", check=True)
+    units = Path(fresh.manager.env["XDG_CONFIG_HOME"]) / "systemd" / "user"
+    assert (units / "b70-broken.service").exists()
+    mine = units / "b70-mine.service"  # the user's own, with a b70- name
+    mine.write_text("[Service]\nExecStart=/bin/true\n")
+    text = fresh.config.read_text()
+    start = text.index("[runtimes.broken]")
+    end = text.index("[gpu]")
+    fresh.config.write_text(text[:start] + text[end:])
+    out = fresh.json("install")["result"]
+    assert out["removed"] == [str(units / "b70-broken.service")]
+    assert not (units / "b70-broken.service").exists() and mine.exists()
+    load = fresh.manager.systemctl("show", "-p", "LoadState", "--value", "b70-broken.service")
+    assert load.strip() == "not-found"
+    assert fresh.json("status")["result"]["active_runtime"] == "llamacpp"
+    assert fresh.json("install")["result"]["removed"] == []
