@@ -303,21 +303,22 @@ def monitor(ctx: Context, once: bool) -> None:
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
 @with_json
 def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
-    """Show the journal of runtime NAME, or of the proxy (NAME: proxy).
+    """Show the journal of runtime NAME, of the proxy (NAME: proxy) or of the monitor.
 
     \b
     Example:
       b70ctl logs vllm -n 50
     """
     from appliance import systemd
-    from appliance.render import PROXY_UNIT
+    from appliance.render import MONITOR_UNIT, PROXY_UNIT
 
     if lines < 1:
         raise ApplianceError(
             f"--lines {lines}: must be at least 1", code="usage_error", exit_code=2
         )
     config = ctx.config()
-    unit = PROXY_UNIT if name in {"proxy", "litellm"} else config.runtime(name).unit
+    own = {"proxy": PROXY_UNIT, "litellm": PROXY_UNIT, "monitor": MONITOR_UNIT}
+    unit = own[name] if name in own else config.runtime(name).unit
     if ctx.json:
         if follow:
             raise ApplianceError(

@@ -329,13 +329,61 @@ def test_the_proxy_killed_under_load_comes_back(appliance: Appliance) -> None:
 def test_a_full_file_system_under_the_state_directory_changes_nothing(
     appliance: Appliance, tmp_path: Path
 ) -> None:
-    """The state directory on a full file system (a 1 MiB tmpfs mounted over it, with what it
-    held copied in, then filled): a switch is refused before it changes anything, with an error
-    that names the directory; the appliance keeps serving; `status` and the monitor go on; and
-    once there is room again the next switch works."""
+    """The state directory on a full file system: a 1 MiB tmpfs with what the directory held,
+    filled, and bound over it for b70ctl, the monitor and the proxy (each unit has a mount
+    namespace of its own). A switch is refused before it changes anything, with an error that
+    names the directory; the appliance keeps serving; `status` works and the monitor says once
+    that it cannot save its state and goes on; once there is room, the next switch works."""
     import errno
     import shutil
 
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    folder = state_dir(appliance)
+    full = tmp_path / "full"
+    full.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "b70-full", str(full)], check=True)
+    bound: list[list[str]] = []  # the mounts to undo, as umount commands
+    try:
+        shutil.copytree(folder, full, dirs_exist_ok=True)
+        fd = os.open(full / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+        finally:
+            os.close(fd)
+        here = f"/proc/{os.getpid()}/root{full}"
+        for unit in ("b70-monitor.service", "b70-litellm.service"):
+            pid = str(main_pid(appliance, unit))
+            enter = ["nsenter", "-t", pid, "-m"]
+            subprocess.run([*enter, "mount", "--bind", here, str(folder)], check=True)
+            bound.append([*enter, "umount", "-l", str(folder)])
+        subprocess.run(["mount", "--bind", str(full), str(folder)], check=True)
+        bound.append(["umount", "-l", str(folder)])
+        before = sorted(p.name for p in folder.iterdir())
+        out = appliance.b70ctl("switch", "vllm")
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "No space left on device" in out.stderr and str(folder) in out.stderr
+        assert "nothing was changed" in out.stderr and "Traceback" not in out.stderr
+        assert sorted(p.name for p in folder.iterdir()) == before, "a file was left half-written"
+        assert appliance.ask().strip()
+        status = appliance.json("status")
+        assert status["ok"] and status["result"]["active_runtime"] == "llamacpp"
+        deadline = time.monotonic() + 30
+        while "cannot save the monitor's state" not in appliance.b70ctl("logs", "monitor").stdout:
+            assert time.monotonic() < deadline, "the monitor never met the full directory"
+            time.sleep(1)
+        show = appliance.manager.systemctl("show", "-p", "ActiveState,NRestarts", "b70-monitor")
+        assert show.split() == ["ActiveState=active", "NRestarts=0"], show
+        (folder / "filler").unlink()
+        out = appliance.b70ctl("switch", "vllm")
+        assert out.returncode == 0, out.stderr
+        assert appliance.json("status")["result"]["active_runtime"] == "vllm"
+    finally:
+        for command in reversed(bound):
+            subprocess.run(command, check=False)
+        subprocess.run(["umount", "-l", str(full)], check=False)
     appliance.b70ctl("switch", "llamacpp", check=True)
     folder = state_dir(appliance)
     saved = tmp_path / "saved"
