@@ -16,8 +16,9 @@ import click
 
 from appliance import config as config_mod
 from appliance import output
-from appliance.config import Config, Scope
+from appliance.config import Config
 from appliance.errors import ApplianceError, from_exception
+from appliance.layout import Scope
 
 
 @dataclasses.dataclass
@@ -119,8 +120,10 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
       b70ctl --config examples/b70.toml render --out /tmp/units
       b70ctl render --diff
     """
+    from appliance.files import write_atomic
     from appliance.install import render_diff
-    from appliance.render import layout, render_all, write_atomic
+    from appliance.layout import layout
+    from appliance.render import render_all
 
     config = ctx.config()
     if diff:
@@ -310,7 +313,7 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
       b70ctl logs vllm -n 50
     """
     from appliance import systemd
-    from appliance.render import MONITOR_UNIT, PROXY_UNIT
+    from appliance.layout import MONITOR_UNIT, PROXY_UNIT
 
     if lines < 1:
         raise ApplianceError(
@@ -453,7 +456,7 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     """
     from appliance import runtimes, state, switching, systemd
     from appliance.gate import run_gate
-    from appliance.render import layout
+    from appliance.layout import layout
 
     config = ctx.config()
     lay = layout(ctx.scope)
@@ -540,7 +543,7 @@ def bench(ctx: Context, **o: Any) -> None:
         bar.close()
     doc = bench_mod.result_document(w, results, samples, wall, runtime)
     out = o["out"] or Path(time.strftime("bench-%Y%m%d-%H%M%S.json"))
-    from appliance.render import write_atomic
+    from appliance.files import write_atomic
 
     write_atomic(out, json.dumps(doc, indent=2) + "\n")
     if ctx.json:
@@ -568,7 +571,7 @@ def _bench_target(ctx: Context, o: dict[str, Any]) -> tuple[Any, str, str, dict[
     key = o["api_key"]
     if config is not None:
         from appliance import state, switching, systemd
-        from appliance.render import layout
+        from appliance.layout import layout
 
         key = key or state.read_key(layout(ctx.scope))
         with systemd.connect(ctx.scope) as sd:

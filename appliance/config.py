@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from appliance.errors import ConfigError
+from appliance.layout import Scope, runtime_unit
 
 SYSTEM_CONFIG = Path("/etc/b70/appliance.toml")
 # A runtime name becomes a unit name (b70-NAME.service), a container name and a journal tag.
@@ -45,11 +46,6 @@ class Launcher(StrEnum):
     NATIVE = "native"
     DOCKER = "docker"
     PODMAN = "podman"
-
-
-class Scope(StrEnum):
-    SYSTEM = "system"
-    USER = "user"
 
 
 # Flags the appliance sets itself from [proxy] and [backend]; a runtime's `args` may not set them.
@@ -129,7 +125,7 @@ class RuntimeConfig:
 
     @property
     def unit(self) -> str:
-        return f"b70-{self.name}.service"
+        return runtime_unit(self.name)
 
 
 @dataclass(frozen=True)

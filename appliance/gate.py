@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from appliance.render import write_atomic
+from appliance.files import write_atomic
+from appliance.layout import CANARY_FILE
 
 CITY_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -34,7 +35,6 @@ CANARIES = [
     "Count from one to five in words, separated by commas.",
     "Complete the sentence: The quick brown fox",
 ]
-CANARY_FILE = "canaries.json"
 
 
 @dataclass

@@ -37,7 +37,7 @@ class Mark:
 
 
 def _write(path: Path, text: str) -> None:
-    """Replace a file at once. Not render.write_atomic: no fsync, because the proxy writes its
+    """Replace a file at once. Not files.write_atomic: no fsync, because the proxy writes its
     counts on its event loop, and the mark and the counts mean nothing after a reboot.
 
     Readable by all (mkstemp makes 0600): on a system install the proxy runs as its own user and

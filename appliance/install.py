@@ -8,13 +8,15 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import systemd
-from appliance.config import Config, Scope
+from appliance.config import Config
 from appliance.errors import ApplianceError
-from appliance.render import (
+from appliance.files import write_atomic
+from appliance.layout import (
     MONITOR_UNIT,
     PROXY_CONFIG,
     PROXY_SOCKET,
@@ -22,11 +24,12 @@ from appliance.render import (
     SYSUSERS,
     UNIT_SUFFIXES,
     Layout,
-    changed_files,
+    Scope,
+    cache_name,
     layout,
-    render_all,
-    write_atomic,
+    runtime_of,
 )
+from appliance.render import render_all
 from appliance.state import ensure_key
 from appliance.switching import (
     Progress,
@@ -251,7 +254,8 @@ def install(
             result.started.append(MONITOR_UNIT)
         active = active_runtimes(config, sd)
         if not active:
-            name = enabled_runtime[0][4:-8] if enabled_runtime else config.default_runtime
+            enabled = runtime_of(enabled_runtime[0]) if enabled_runtime else None
+            name = enabled or config.default_runtime
             rt = config.runtime(name)
             progress("starting", rt.unit)
             sd.reset_failed(rt.unit)
@@ -268,7 +272,7 @@ def install(
         else:
             stale = [config.runtime(n).unit for n in active if config.runtime(n).unit in changed]
             for unit in stale:
-                name = unit.removeprefix("b70-").removesuffix(".service")
+                name = runtime_of(unit)
                 result.notes.append(
                     f"{unit} changed while it runs; `b70ctl switch {name} --restart` applies it"
                 )
@@ -293,7 +297,7 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
                 removed.append(str(path))
         if purge:
             for unit in units:  # each unit's CacheDirectory= (compiled kernels, LiteLLM's)
-                cache = lay.cache_root / unit.removesuffix(".service")
+                cache = lay.cache_root / cache_name(unit)
                 if unit.endswith(".service") and cache.is_dir() and not cache.is_symlink():
                     shutil.rmtree(cache)
                     removed.append(str(cache))
@@ -308,3 +312,17 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
         for unit in units:
             sd.reset_failed(unit)
     return removed
+
+
+def changed_files(files: Mapping[str, str], lay: Layout) -> dict[str, str]:
+    """The subset of `files` whose installed copy is missing or different."""
+    out = {}
+    for name, text in files.items():
+        dest = lay.destination(name)
+        try:
+            current = dest.read_text()
+        except FileNotFoundError:
+            current = None
+        if current != text:
+            out[name] = text
+    return out

@@ -11,8 +11,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from appliance import hold, state
+from appliance import hold
 from appliance.config import Config
+from appliance.layout import HISTORY
 
 
 def switch_counts(state_dir: Path) -> tuple[int, int, float | None]:
@@ -20,7 +21,7 @@ def switch_counts(state_dir: Path) -> tuple[int, int, float | None]:
     total = failed = 0
     last = None
     try:
-        lines = (state_dir / state.HISTORY).read_text().splitlines()
+        lines = (state_dir / HISTORY).read_text().splitlines()
     except FileNotFoundError:
         lines = []
     for line in lines:

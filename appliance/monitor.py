@@ -27,13 +27,13 @@ from typing import Any
 
 import httpx
 
-from appliance import gpu, health, runtimes, state, systemd
+from appliance import gpu, health, runtimes, systemd
 from appliance import hold as hold_mark
-from appliance.config import Config, Scope
-from appliance.render import PROXY_UNIT, layout, write_atomic
+from appliance.config import Config
+from appliance.files import write_atomic
+from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Scope, layout
 from appliance.status import recover_killed_switch
 
-STATE_FILE = "monitor.json"
 FAILOVER_BACKOFF_S = 60
 
 
@@ -125,7 +125,7 @@ def switching(state_dir: Path) -> bool:
 
 def _lock_held(state_dir: Path) -> bool:
     try:
-        fd = os.open(state_dir / state.LOCK_FILE, os.O_RDONLY)
+        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
@@ -213,7 +213,7 @@ def save(state_dir: Path, m: Memory, o: Observation | None, log: Any = None) -> 
     doc["last_observation"] = asdict(o) if o else None
     doc["pid"] = os.getpid()
     try:
-        write_atomic(state_dir / STATE_FILE, json.dumps(doc, sort_keys=True) + "\n")
+        write_atomic(state_dir / MONITOR_STATE, json.dumps(doc, sort_keys=True) + "\n")
     except OSError as e:
         problem = f"cannot save the monitor's state: {e.filename}: {e.strerror or e}"
         if log is not None and m.unsaved != problem:
@@ -248,7 +248,7 @@ def restore(state_dir: Path) -> Memory:
 
 def read_state(state_dir: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads((state_dir / STATE_FILE).read_text())
+        data = json.loads((state_dir / MONITOR_STATE).read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

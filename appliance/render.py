@@ -8,12 +8,8 @@ from __future__ import annotations
 import functools
 import ipaddress
 import json
-import os
 import re
-import tempfile
 import textwrap
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,16 +17,18 @@ from appliance import runtimes, sandbox
 
 if TYPE_CHECKING:
     import jinja2
-from appliance.config import LOOPBACK_NAMES, Config, Launcher, RuntimeConfig, Scope
+from appliance.config import LOOPBACK_NAMES, Config, Launcher, RuntimeConfig
+from appliance.layout import (
+    MONITOR_UNIT,
+    PROXY_CONFIG,
+    PROXY_SOCKET,
+    PROXY_UNIT,
+    SYSUSERS,
+    Layout,
+    Scope,
+    cache_name,
+)
 
-PROXY_UNIT = "b70-litellm.service"
-PROXY_SOCKET = "b70-litellm.socket"  # holds :8000 while the proxy restarts
-UNIT_SUFFIXES = (".service", ".socket")  # the files that go to the unit directory
-MONITOR_UNIT = "b70-monitor.service"
-INSTALLED_CONFIG = "appliance.toml"
-PROXY_CONFIG = "litellm.yaml"
-SYSUSERS = "b70-sysusers.conf"
-KEY_FILE = "proxy.env"
 RESTART_SEC = 5
 
 
@@ -41,54 +39,6 @@ def _templates_dir() -> Path:
 
 
 TEMPLATES = _templates_dir()
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where an installation lives, by scope."""
-
-    scope: Scope
-    unit_dir: Path
-    etc_dir: Path
-    state_dir: Path
-
-    @property
-    def key_file(self) -> Path:
-        return self.etc_dir / KEY_FILE
-
-    @property
-    def proxy_config(self) -> Path:
-        return self.etc_dir / PROXY_CONFIG
-
-    @property
-    def config(self) -> Path:
-        """Where install keeps the config the units were rendered from."""
-        return self.etc_dir / INSTALLED_CONFIG
-
-    @property
-    def cache_root(self) -> Path:
-        """Where each unit's CacheDirectory= is (systemd's %C)."""
-        if self.scope is Scope.SYSTEM:
-            return Path("/var/cache")
-        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-
-    @property
-    def wanted_by(self) -> str:
-        return "multi-user.target" if self.scope is Scope.SYSTEM else "default.target"
-
-    def destination(self, file_name: str) -> Path:
-        if file_name == SYSUSERS:
-            return Path("/etc/sysusers.d/b70.conf")
-        return (self.unit_dir if file_name.endswith(UNIT_SUFFIXES) else self.etc_dir) / file_name
-
-
-def layout(scope: Scope) -> Layout:
-    if scope is Scope.SYSTEM:
-        return Layout(scope, Path("/etc/systemd/system"), Path("/etc/b70"), Path("/var/lib/b70"))
-    home = Path.home()
-    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or home / ".config")
-    state_home = Path(os.environ.get("XDG_STATE_HOME") or home / ".local" / "state")
-    return Layout(scope, config_home / "systemd" / "user", config_home / "b70", state_home / "b70")
 
 
 # --- systemd quoting ---------------------------------------------------------------------------
@@ -326,52 +276,9 @@ def run_as_users(config: Config, lay: Layout) -> list[str]:
 
 def render_sysusers(runtime_users: list[str]) -> str:
     """The proxy's user, and the users runtimes run as (in the render group)."""
-    home = sandbox.SYSTEM_CACHE_ROOT / PROXY_UNIT.removesuffix(".service")  # its CacheDirectory=
+    home = sandbox.SYSTEM_CACHE_ROOT / cache_name(PROXY_UNIT)  # its CacheDirectory=
     lines = ["# Rendered by b70ctl: the users the b70 units run as."]
     lines.append(f'u {sandbox.PROXY_USER} - "b70 appliance proxy" {home} -')
     for user in runtime_users:
         lines += [f'u {user} - "b70 appliance runtime" /var/lib/b70 -', f"m {user} render"]
     return "\n".join(lines) + "\n"
-
-
-# --- writing -----------------------------------------------------------------------------------
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `text` to `path` so that readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
-        if e.filename is None:  # a failed write names no file: name the one being written
-            raise OSError(e.errno, e.strerror, str(path)) from e
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def changed_files(files: Mapping[str, str], lay: Layout) -> dict[str, str]:
-    """The subset of `files` whose installed copy is missing or different."""
-    out = {}
-    for name, text in files.items():
-        dest = lay.destination(name)
-        try:
-            current = dest.read_text()
-        except FileNotFoundError:
-            current = None
-        if current != text:
-            out[name] = text
-    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from appliance import layout
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 
 HEALTH_PATH = "/health"  # both engines: 200 only once the model is loaded
@@ -78,7 +79,7 @@ def container_cli(config: Config, runtime: RuntimeConfig) -> str:
 
 
 def container_name(runtime: RuntimeConfig) -> str:
-    return f"b70-{runtime.name}"
+    return layout.container_name(runtime.name)
 
 
 def exec_start(config: Config, runtime: RuntimeConfig) -> list[str]:

@@ -27,10 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance.config import Config, Engine, Launcher, RuntimeConfig, Scope, is_loopback
+from appliance.config import Config, Engine, Launcher, RuntimeConfig, is_loopback
+from appliance.layout import Scope, cache_name
 
 if TYPE_CHECKING:
-    from appliance.render import Layout
+    from appliance.layout import Layout
 
 PROXY_USER = "b70-proxy"
 HELD_DIR = "held"  # appliance.hold.HELD_DIR: the only place the proxy writes
@@ -168,7 +169,7 @@ def _cache(unit: str, env: Mapping[str, str]) -> list[Directive]:
 
     Where the config sets XDG_CACHE_HOME itself, its value stands.
     """
-    name = unit.removesuffix(".service")
+    name = cache_name(unit)
     out = [Directive("CacheDirectory", name, "Its own writable cache; home is read-only.")]
     if "XDG_CACHE_HOME" not in env:
         out.append(Directive("Environment", f"XDG_CACHE_HOME=%C/{name}"))

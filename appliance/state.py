@@ -13,13 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
+from appliance.files import write_atomic
 from appliance.hold import start_time
-from appliance.render import Layout, write_atomic
+from appliance.layout import HISTORY, LAST_SWITCH, LOCK_FILE, Layout
 
-LOCK_FILE = "switch.lock"
 LOCK_TRIES = 20
-LAST_SWITCH = "last-switch.json"
-HISTORY = "switches.jsonl"
 
 
 class SwitchLock:

@@ -6,13 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from appliance import health, hold, runtimes, state, systemd
-from appliance.config import Config, Launcher, Scope
-from appliance.render import (
-    MONITOR_UNIT,
-    PROXY_SOCKET,
-    PROXY_UNIT,
-    layout,
-)
+from appliance.config import Config, Launcher
+from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
 
 
 def status(config: Config, scope: Scope) -> dict[str, Any]:

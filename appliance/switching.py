@@ -14,15 +14,10 @@ from typing import Any
 
 from appliance import gpu, health, memgate, runtimes, state, systemd
 from appliance import hold as hold_mark
-from appliance.config import Config, Engine, Launcher, RuntimeConfig, Scope
+from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
-from appliance.render import (
-    PROXY_CONFIG,
-    PROXY_UNIT,
-    Layout,
-    layout,
-    render_all,
-)
+from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout, Scope, layout
+from appliance.render import render_all
 from appliance.state import read_key
 
 Progress = Callable[[str, str], None]

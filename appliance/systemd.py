@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance.config import Scope
 from appliance.errors import ApplianceError
+from appliance.layout import Scope
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from appliance import config as config_mod  # noqa: E402
-from appliance.config import Scope  # noqa: E402
-from appliance.render import Layout, proxy_argv, proxy_environment, render_proxy_config  # noqa: E402
+from appliance.layout import Layout, Scope  # noqa: E402
+from appliance.render import proxy_argv, proxy_environment, render_proxy_config  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -239,8 +239,7 @@ async def run(
 def target_from_config(config_path: str | None, user: bool) -> Target:
     from appliance import config as config_mod
     from appliance import runtimes
-    from appliance.config import Scope
-    from appliance.render import layout
+    from appliance.layout import Scope, layout
     from appliance.state import read_key
 
     scope = Scope.USER if user else Scope.SYSTEM

@@ -80,8 +80,7 @@ async def sampler(
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     from appliance import config as config_mod
-    from appliance.config import Scope
-    from appliance.render import layout
+    from appliance.layout import Scope, layout
 
     target = load_test.target_from_config(args.config, args.user)
     scope = Scope.USER if args.user else Scope.SYSTEM

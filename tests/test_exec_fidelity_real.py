@@ -22,7 +22,7 @@ from pathlib import Path
 
 from appliance import config as config_mod
 from appliance import render, runtimes
-from appliance.config import Scope
+from appliance.layout import Scope, layout
 from tests.conftest import Manager
 
 CASES = 40
@@ -127,7 +127,7 @@ def test_argv_and_environment_reach_the_process_byte_for_byte(
     recorder.write_text(RECORDER.format(python=sys.executable))
     recorder.chmod(0o755)
     unit_dir = Path(manager.env["XDG_CONFIG_HOME"]) / "systemd" / "user"
-    lay = render.layout(Scope.USER)
+    lay = layout(Scope.USER)
     cases = []
     for i in range(CASES):
         text, args, env, model = random_config(rng, recorder)

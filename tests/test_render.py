@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from appliance import config
-from appliance.config import Scope
-from appliance.render import UNIT_SUFFIXES, layout, quote_exec_arg, render_all, render_exec
+from appliance.layout import UNIT_SUFFIXES, Scope, layout
+from appliance.render import quote_exec_arg, render_all, render_exec
 from tests.conftest import REPO
 
 B70 = REPO / "examples" / "b70.toml"

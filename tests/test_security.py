@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from appliance import config
-from appliance.config import Scope
-from appliance.render import UNIT_SUFFIXES, layout, render_all
+from appliance.layout import UNIT_SUFFIXES, Scope, layout
+from appliance.render import render_all
 from tests.conftest import REPO
 from tests.test_render import analyze_verify, unit_lines, verify_root
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import errors, hold, monitor, render, state
+from appliance import errors, files, hold, monitor, state
+from appliance.layout import LAST_SWITCH
 
 
 def full(*args: object, **kwargs: object) -> None:
@@ -22,7 +23,7 @@ def test_a_record_that_cannot_be_written_is_said_not_raised(
     monkeypatch.setattr(state, "write_atomic", full)
     problem = state.record_switch(tmp_path, {"target": "llamacpp"})
     assert problem is not None and str(tmp_path) in problem and "No space left" in problem
-    assert json.loads((tmp_path / state.LAST_SWITCH).read_text())["target"] == "vllm"
+    assert json.loads((tmp_path / LAST_SWITCH).read_text())["target"] == "vllm"
 
 
 def test_a_note_that_cannot_be_written_does_not_stop_the_switch(
@@ -48,9 +49,9 @@ def test_a_hold_mark_that_cannot_be_written_is_a_clear_error(
 def test_write_atomic_names_the_file_it_could_not_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(render.os, "fsync", full)
+    monkeypatch.setattr(files.os, "fsync", full)
     with pytest.raises(OSError) as e:
-        render.write_atomic(tmp_path / "a.json", "{}")
+        files.write_atomic(tmp_path / "a.json", "{}")
     assert e.value.filename == str(tmp_path / "a.json")
     assert list(tmp_path.iterdir()) == [], "the temporary file is gone"
     error = errors.from_exception(e.value)
