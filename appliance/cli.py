@@ -240,9 +240,9 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: fl
     Example:
       sudo b70ctl switch llamacpp
     """
-    from appliance import switching
+    from appliance import switching, units
 
-    progress = output.progress if sys.stderr.isatty() or not ctx.json else switching.no_progress
+    progress = output.progress if sys.stderr.isatty() or not ctx.json else units.no_progress
     result = switching.switch(
         ctx.config(), ctx.scope, name, restart, progress, gate, drain_s=drain_timeout
     )
@@ -454,14 +454,14 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     Example:
       b70ctl gate && b70ctl switch vllm --gate
     """
-    from appliance import runtimes, state, switching, systemd
+    from appliance import runtimes, state, systemd, units
     from appliance.gate import run_gate
     from appliance.layout import layout
 
     config = ctx.config()
     lay = layout(ctx.scope)
     with systemd.connect(ctx.scope) as sd:
-        serving = switching.require_serving(config, sd)
+        serving = units.require_serving(config, sd)
     result = run_gate(
         runtimes.proxy_url(config),
         state.read_key(lay),
@@ -570,12 +570,12 @@ def _bench_target(ctx: Context, o: dict[str, Any]) -> tuple[Any, str, str, dict[
     runtime_url = o["runtime_url"] or runtimes.backend_url(config)  # type: ignore[arg-type]
     key = o["api_key"]
     if config is not None:
-        from appliance import state, switching, systemd
+        from appliance import state, systemd, units
         from appliance.layout import layout
 
         key = key or state.read_key(layout(ctx.scope))
         with systemd.connect(ctx.scope) as sd:
-            name = switching.require_serving(config, sd)
+            name = units.require_serving(config, sd)
             rt = config.runtimes[name]
             runtime = {
                 "name": name,

@@ -31,7 +31,7 @@ from appliance.layout import (
 )
 from appliance.render import render_all
 from appliance.state import ensure_key
-from appliance.switching import (
+from appliance.units import (
     Progress,
     active_runtimes,
     check_port,

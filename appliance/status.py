@@ -89,9 +89,10 @@ def recover_killed_switch(
         if trace is None:
             return None
         from appliance import switching  # only when there is something to recover
+        from appliance.units import no_progress
 
         lay = layout(sd.scope)
-        if switching.recover_killed(config, lay, sd, trace.info, switching.no_progress, wait=False):
+        if switching.recover_killed(config, lay, sd, trace.info, no_progress, wait=False):
             trace.clear_stale()
             return None
         return trace.info

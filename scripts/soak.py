@@ -56,11 +56,11 @@ def tree_usage(pid: int | None) -> tuple[int, int]:
 
 
 def take_sample(config: Any, scope: Any, t0: float) -> Sample:
-    from appliance import switching, systemd
+    from appliance import systemd, units
 
     with systemd.connect(scope) as sd:
         pids = {part: sd.state(unit).main_pid for part, unit in PARTS.items()}
-        runtime = switching.serving_runtime(config, sd)
+        runtime = units.serving_runtime(config, sd)
         if runtime is not None:
             pids["runtime"] = sd.state(config.runtimes[runtime].unit).main_pid
     rss, fds = {}, {}

@@ -1,0 +1,109 @@
+"""The appliance's units as systemd sees them: which runtime serves, waiting for a unit to
+start or stop, and whose port is whose."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from appliance import health, systemd
+from appliance.config import Config
+from appliance.errors import ApplianceError
+
+Progress = Callable[[str, str], None]
+POLL_S = 0.1
+
+
+def no_progress(phase: str, detail: str) -> None:
+    pass
+
+
+SUB_STATE_PHASE = {
+    "dead": "queued behind the old runtime's stop",
+    "start-pre": "waiting for the GPU and the port",
+    "start": "starting",
+    "start-post": "loading",
+    "running": "healthy",
+    "stop-sigterm": "stopping",
+    "stop": "stopping",
+    "stop-post": "cleaning up",
+}
+
+
+def wait_started(
+    sd: systemd.Systemd, unit: str, timeout_s: float, progress: Progress
+) -> dict[str, float]:
+    """Wait until `unit` is active with no job pending. Returns seconds spent per sub-state."""
+    start = time.monotonic()
+    phases: dict[str, float] = {}
+    last_sub, last_t = "", start
+    while True:
+        st = sd.state(unit)
+        now = time.monotonic()
+        if st.sub_state != last_sub:
+            if last_sub:
+                phases[last_sub] = phases.get(last_sub, 0.0) + now - last_t
+            last_sub, last_t = st.sub_state, now
+            progress(SUB_STATE_PHASE.get(st.sub_state, st.sub_state), unit)
+        if st.active_state == "active" and not st.job_pending:
+            return phases
+        if st.start_failed or (st.settled and st.active_state != "active"):
+            raise ApplianceError(
+                f"{unit} did not start: {st.active_state} ({st.sub_state}), result {st.result}",
+                code="start_failed",
+                details={"unit": unit, "result": st.result, "sub_state": st.sub_state},
+            )
+        if now - start > timeout_s:
+            raise ApplianceError(
+                f"{unit} did not become active within {timeout_s:.0f} s (still {st.sub_state})",
+                code="start_timeout",
+            )
+        time.sleep(POLL_S)
+
+
+def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = sd.state(unit)
+        if st.active_state in {"inactive", "failed"} and not st.job_pending:
+            return
+        time.sleep(POLL_S)
+    raise ApplianceError(f"{unit} did not stop within {timeout_s:.0f} s", code="stop_timeout")
+
+
+def serving_runtime(config: Config, sd: systemd.Systemd) -> str | None:
+    """The runtime whose unit is active (the health gate makes active mean answering)."""
+    for name, rt in sorted(config.runtimes.items()):
+        if sd.state(rt.unit).active_state == "active":
+            return name
+    return None
+
+
+def require_serving(config: Config, sd: systemd.Systemd) -> str:
+    name = serving_runtime(config, sd)
+    if name is None:
+        raise ApplianceError(
+            "no runtime is serving", hint="`b70ctl switch NAME` first", code="not_serving"
+        )
+    return name
+
+
+def active_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
+    out = []
+    for name, rt in sorted(config.runtimes.items()):
+        if sd.state(rt.unit).active_state in {"active", "activating", "reloading", "deactivating"}:
+            out.append(name)
+    return out
+
+
+def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> None:
+    """Refuse a port that a process outside `units` listens on, naming that process."""
+    pids = [pid for unit in units if (pid := sd.state(unit).main_pid)]
+    foreign = health.foreign_listeners(port, pids)
+    if foreign:
+        raise ApplianceError(
+            f"the {role} port {port} is held by {health.describe(foreign)}, "
+            "which is not part of the appliance",
+            hint=f"stop that process, or choose another [{role}] port in the config",
+            code="port_busy",
+        )
