@@ -725,11 +725,13 @@ def unit_ready(
         output.emit_json({"url": url, "ready": True})
 
 
-def main() -> None:
-    """The console script: click's usage errors, too, become the JSON envelope with --json."""
-    as_json = "--json" in sys.argv[1:]
+def main(argv: list[str] | None = None) -> None:
+    """The console script: click's usage errors, too, become the JSON envelope with --json.
+    `argv`: the arguments, when not those of the process (the tests call it in-process)."""
+    args = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in args
     try:
-        code = cli.main(standalone_mode=False)
+        code = cli.main(args=args, standalone_mode=False)
     except click.exceptions.Abort:  # Ctrl-C while click itself was prompting or parsing
         code = _fail(ApplianceError("interrupted", code="interrupted", exit_code=130), as_json)
     except click.ClickException as e:

@@ -270,12 +270,12 @@ def install(
                 raise
             result.started.append(rt.unit)
         else:
-            stale = [config.runtime(n).unit for n in active if config.runtime(n).unit in changed]
-            for unit in stale:
-                name = runtime_of(unit)
-                result.notes.append(
-                    f"{unit} changed while it runs; `b70ctl switch {name} --restart` applies it"
-                )
+            for name in active:
+                unit = config.runtime(name).unit
+                if unit in changed:
+                    result.notes.append(
+                        f"{unit} changed while it runs; `b70ctl switch {name} --restart` applies it"
+                    )
         return result
 
 

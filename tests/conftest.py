@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -94,6 +96,65 @@ MANAGER_VARS = (
     "XDG_CACHE_HOME",
     "B70_JOURNAL_DIR",
 )
+
+
+def manager_cgroups() -> dict[str, list[int]]:
+    """The cgroups scripts/user-manager makes (b70mgr*.slice), with the processes in each."""
+    base = Path("/sys/fs/cgroup")
+    if not (base / "cgroup.procs").exists():
+        base = base / "unified"  # a hybrid hierarchy: the managers' cgroups are in the v2 part
+    found: dict[str, list[int]] = {}
+    for slice_dir in base.glob("b70mgr*.slice"):
+        pids: list[int] = []
+        for procs in slice_dir.rglob("cgroup.procs"):
+            with contextlib.suppress(OSError):
+                pids += [int(p) for p in procs.read_text().split()]
+        found[slice_dir.name] = pids
+    return found
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[MANAGERS_BEFORE] = set(manager_cgroups())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Every process the suite started is stopped by the time it ends, pass or fail: a manager
+    (and what runs in it) or a child of this process still alive fails the run, and is killed."""
+    import psutil
+
+    before = session.config.stash.get(MANAGERS_BEFORE, set())
+    leaked = {n: p for n, p in manager_cgroups().items() if n not in before and p}
+    children = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE:
+                children.append(child)
+    if not leaked and not children:
+        return
+    lines = [f"{name}: pids {pids}" for name, pids in leaked.items()]
+    lines += [f"child {c.pid}: {' '.join(c.cmdline())[:160]}" for c in children]
+    print("\nthe suite left these processes running (now killed):\n  " + "\n  ".join(lines))
+    for pid in [p for pids in leaked.values() for p in pids] + [c.pid for c in children]:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+MANAGERS_BEFORE = pytest.StashKey[set[str]]()
+
+
+# Fixtures that start a real systemd manager (and, on it, runtimes and the proxy). A test that
+# uses one, or lives in a *_real module, is marked `real`: `pytest -m "not real"` runs the rest.
+REAL_FIXTURES = frozenset(
+    {"manager", "appliance", "fresh", "container_app", "door_app", "held_app", "watched"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = getattr(getattr(item, "module", None), "__name__", "")
+        if module.endswith("_real") or REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.real)
 
 
 @pytest.fixture(scope="session")

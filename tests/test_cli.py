@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,19 +132,41 @@ def broken(tmp_path: Path) -> dict[str, Path]:
     return {p.stem: p for p in tmp_path.iterdir()}
 
 
+def _in_process(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> subprocess.CompletedProcess[str]:
+    """b70ctl's console script called in this process (a process start costs a second here);
+    the same function the executable runs, with its exit code, stdout and stderr."""
+    from appliance.cli import main
+
+    with monkeypatch.context() as m:
+        m.setattr(sys, "stdin", io.StringIO())
+        try:
+            main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(argv, code, out.out, out.err)
+
+
 @pytest.mark.parametrize("command", sorted(ARGS), ids=" ".join)
 @pytest.mark.parametrize("config_name", ["latin1", "syntax", "dir", "inf"])
 def test_every_command_with_json_prints_the_envelope_on_broken_input(
-    command: tuple[str, ...], config_name: str, broken: dict[str, Path], tmp_path: Path
+    command: tuple[str, ...],
+    config_name: str,
+    broken: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    env = dict(
-        os.environ, B70_SYSROOT=str(tmp_path / "no-such-root"), XDG_RUNTIME_DIR=str(tmp_path)
-    )
+    monkeypatch.setenv("B70_SYSROOT", str(tmp_path / "no-such-root"))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     args = [a if a != "CONFIG_JSON" else str(broken["plan"]) for a in ARGS[command]]
     argv = ["--user", "--config", str(broken[config_name]), *command, *args, "--json"]
     if command in {("unit",)}:
         argv = ["unit", "--json"]  # a group without a command of its own: a usage error
-    out = _run(argv, env)
+    out = _in_process(argv, monkeypatch, capsys)
     doc = _envelope(out)
     if command in {("gpu",), ("gpu", "wait-free"), ("unit", "pre")}:
         # These read no config: with no GPU (and a free port) they succeed.
@@ -153,22 +177,39 @@ def test_every_command_with_json_prints_the_envelope_on_broken_input(
     assert out.stderr == "" or "Traceback" not in out.stderr
 
 
-def test_usage_errors_with_json_are_envelopes_too(tmp_path: Path) -> None:
-    out = _run(["switch", "--json"], dict(os.environ))
+@pytest.mark.parametrize("config_name", ["latin1", "syntax", "dir", "inf"])
+def test_the_executable_prints_the_envelope_on_broken_input_too(
+    config_name: str, broken: dict[str, Path], tmp_path: Path
+) -> None:
+    """The same as above, through the installed executable (one command per kind of input)."""
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(tmp_path))
+    out = _run(["--user", "--config", str(broken[config_name]), "status", "--json"], env)
+    doc = _envelope(out)
+    assert out.returncode != 0 and doc["ok"] is False and doc["error"]["code"]
+
+
+def test_usage_errors_with_json_are_envelopes_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _in_process(["switch", "--json"], monkeypatch, capsys)
     doc = _envelope(out)
     assert out.returncode == 2 and doc["ok"] is False
     assert doc["error"]["code"] == "usage_error"
     assert "Missing argument 'NAME'" in doc["error"]["message"]
-    out = _run(["logs", "vllm", "-n", "x", "--json"], dict(os.environ))
+    out = _in_process(["logs", "vllm", "-n", "x", "--json"], monkeypatch, capsys)
     assert _envelope(out)["error"]["code"] == "usage_error" and out.returncode == 2
 
 
-def test_an_os_error_is_an_error_not_a_traceback(tmp_path: Path) -> None:
+def test_an_os_error_is_an_error_not_a_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     good = REPO / "examples" / "b70.toml"
-    out = _run(["--config", str(good), "render", "--out", "/proc/x"], dict(os.environ))
+    out = _in_process(["--config", str(good), "render", "--out", "/proc/x"], monkeypatch, capsys)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("error: /proc/x") and "hint: " in out.stderr
     doc = _envelope(
-        _run(["--config", str(good), "render", "--out", "/proc/x", "--json"], dict(os.environ))
+        _in_process(
+            ["--config", str(good), "render", "--out", "/proc/x", "--json"], monkeypatch, capsys
+        )
     )
     assert doc["ok"] is False and doc["error"]["code"] == "os_error"
