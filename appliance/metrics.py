@@ -11,9 +11,9 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from appliance import hold
 from appliance.config import Config
 from appliance.layout import HISTORY
+from appliance.proxy import hold
 
 
 def switch_counts(state_dir: Path) -> tuple[int, int, float | None]:

@@ -28,10 +28,10 @@ from typing import Any
 import httpx
 
 from appliance import gpu, health, runtimes, systemd
-from appliance import hold as hold_mark
 from appliance.config import Config
 from appliance.files import write_atomic
 from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Scope, layout
+from appliance.proxy import hold as hold_mark
 from appliance.status import recover_killed_switch
 
 FAILOVER_BACKOFF_S = 60

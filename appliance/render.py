@@ -205,11 +205,11 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         # "Connection error" (RECIPES.md 7); a 3 s limit, under the runtimes' 5 s, still let one
         # through in 155 requests at 16 streams. A loopback connect per request costs nothing.
         "AIOHTTP_KEEPALIVE_TIMEOUT": "0",
-        # For the request hold (appliance.proxy_hook): the switch's mark, the backend, the time.
+        # For the request hold (appliance.proxy.hook): the switch's mark, the backend, the time.
         "B70_STATE_DIR": str(lay.state_dir),
         "B70_BACKEND_URL": runtimes.backend_url(config),
         "B70_HOLD_S": f"{config.proxy.hold_s:g}",
-        # For the request checks (appliance.proxy_gate): the largest body taken, in bytes.
+        # For the request checks (appliance.proxy.door): the largest body taken, in bytes.
         "B70_MAX_BODY_BYTES": str(config.proxy.max_body_bytes),
     }
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from appliance.layout import Layout
 
 PROXY_USER = "b70-proxy"
-HELD_DIR = "held"  # appliance.hold.HELD_DIR: the only place the proxy writes
+HELD_DIR = "held"  # appliance.proxy.hold.HELD_DIR: the only place the proxy writes
 SYSTEM_STATE_ROOT = Path("/var/lib")  # StateDirectory= names paths under it
 SYSTEM_CACHE_ROOT = Path("/var/cache")  # CacheDirectory= names paths under it
 TMP_ROOTS = ("/tmp", "/var/tmp")  # PrivateTmp= gives the unit its own

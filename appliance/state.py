@@ -14,8 +14,8 @@ from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
-from appliance.hold import start_time
 from appliance.layout import HISTORY, LAST_SWITCH, LOCK_FILE, Layout
+from appliance.proxy.hold import start_time
 
 LOCK_TRIES = 20
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from appliance import health, hold, runtimes, state, systemd
+from appliance import health, runtimes, state, systemd
 from appliance.config import Config, Launcher
 from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
+from appliance.proxy import hold
 
 
 def status(config: Config, scope: Scope) -> dict[str, Any]:

@@ -8,15 +8,17 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from appliance import gpu, health, memgate, runtimes, state, systemd
-from appliance import hold as hold_mark
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout, Scope, layout
+from appliance.proxy import hold as hold_mark
 from appliance.render import render_all
 from appliance.state import read_key
 from appliance.units import (
@@ -363,6 +365,23 @@ def switch(
             raise
 
 
+@contextmanager
+def holding(state_dir: Path, target: str) -> Iterator[hold_mark.Mark]:
+    """New requests held at the proxy for the block; a mark that cannot be written (a full
+    file system) is refused here, before anything has changed."""
+    with ExitStack() as stack:
+        try:
+            mark = stack.enter_context(hold_mark.marked(state_dir, target))
+        except hold_mark.Unwritable as e:
+            raise ApplianceError(
+                f"cannot write the hold mark {e.path}: {e.why}; nothing was changed",
+                hint=f"free space on the file system of {state_dir} (df -h {state_dir}), "
+                "or fix its permissions; then switch again",
+                code="state_unwritable",
+            ) from None
+        yield mark
+
+
 def _switch_held(
     config: Config,
     lay: Layout,
@@ -380,7 +399,7 @@ def _switch_held(
     """Steps 3-7 of the switch, with new requests held at the proxy."""
     target_name = target.name
     scope = lay.scope
-    with hold_mark.marked(lay.state_dir, target_name) as mark:
+    with holding(lay.state_dir, target_name) as mark:
         lock.note(previous=previous, phase="hold")
         progress = interrupts.progress
         progress("holding", f"new requests wait at port {config.proxy.port}")

@@ -1,4 +1,4 @@
-"""The door (appliance.proxy_gate) in the real LiteLLM proxy, installed by b70ctl under a real
+"""The door (appliance.proxy.door) in the real LiteLLM proxy, installed by b70ctl under a real
 systemd user manager, in front of llama-server and then vLLM: every route LiteLLM registers,
 bad requests, clients that leave mid-stream, idle connections, and the proxy's memory."""
 

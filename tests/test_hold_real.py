@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from appliance import hold
+from appliance.proxy import hold
 from tests.conftest import (
     Appliance,
     demo_config_text,

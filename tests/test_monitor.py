@@ -15,8 +15,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import hold, proxy_hook
 from appliance.monitor import Action, Memory, Observation, judge, restore, save
+from appliance.proxy import hold
+from appliance.proxy import hook as proxy_hook
 from tests.conftest import (
     GGUF,
     LLAMA_SERVER,

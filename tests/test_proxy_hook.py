@@ -1,4 +1,4 @@
-"""The request hold and the key check of appliance.proxy_hook, on a real mark file and a clock
+"""The request hold and the key check of appliance.proxy.hook, on a real mark file and a clock
 that the test moves; the same hook runs inside the real proxy in tests/test_hold_real.py."""
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ import litellm
 import pytest
 from litellm.proxy._types import ProxyException
 
-from appliance import hold, proxy_checks, proxy_hook
+from appliance.proxy import checks as proxy_checks
+from appliance.proxy import hold
+from appliance.proxy import hook as proxy_hook
 
 
 class Clock:

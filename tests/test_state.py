@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance import errors, files, hold, monitor, state
+from appliance import errors, files, monitor, state, switching
 from appliance.layout import LAST_SWITCH
+from appliance.proxy import hold
 
 
 def full(*args: object, **kwargs: object) -> None:
@@ -40,7 +41,9 @@ def test_a_hold_mark_that_cannot_be_written_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(hold, "_write", full)
-    with pytest.raises(errors.ApplianceError) as e, hold.marked(tmp_path, "vllm"):
+    with pytest.raises(hold.Unwritable), hold.marked(tmp_path, "vllm"):
+        pass
+    with pytest.raises(errors.ApplianceError) as e, switching.holding(tmp_path, "vllm"):
         pass
     assert e.value.code == "state_unwritable"
     assert "nothing was changed" in e.value.message and str(tmp_path) in e.value.hint

@@ -1,14 +1,14 @@
 """The LiteLLM side of the appliance: the door, the request hold and the API-key check.
 
 Loaded by the proxy through the rendered litellm.yaml:
-    litellm_settings: callbacks: ["appliance.proxy_hook.hold"]
-    general_settings: custom_auth: appliance.proxy_hook.authenticate
+    litellm_settings: callbacks: ["appliance.proxy.hook.hold"]
+    general_settings: custom_auth: appliance.proxy.hook.authenticate
 
-Importing it inside the proxy puts the door (appliance.proxy_gate) in front of LiteLLM's app:
+Importing it inside the proxy puts the door (appliance.proxy.door) in front of LiteLLM's app:
 only the appliance's routes exist, and bad requests are refused before LiteLLM parses them.
 
 The proxy unit tells this module where things are through its environment:
-    B70_STATE_DIR       where `b70ctl switch` writes its hold mark (appliance.hold)
+    B70_STATE_DIR       where `b70ctl switch` writes its hold mark (appliance.proxy.hold)
     B70_BACKEND_URL     the runtimes' shared address, whose /health is probed
     B70_HOLD_S          how long a request may wait before it is answered 503
     B70_MAX_BODY_BYTES  the largest request body the door takes (default 8 MiB)
@@ -34,8 +34,8 @@ from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
-from appliance import hold as hold_mark
-from appliance import proxy_checks, proxy_gate
+from appliance.proxy import checks, door
+from appliance.proxy import hold as hold_mark
 
 POLL_S = 0.2
 HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
@@ -143,9 +143,7 @@ def _request_headers(data: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 class HoldHook(CustomLogger):
-    def __init__(
-        self, gate: Gate | None = None, backend: proxy_checks.Backend | None = None
-    ) -> None:
+    def __init__(self, gate: Gate | None = None, backend: checks.Backend | None = None) -> None:
         super().__init__()
         self._gate = gate
         self.backend = backend  # the door's view of the runtime, to name it in errors
@@ -214,7 +212,7 @@ async def wait_ready(limit_s: float) -> float | None:
 
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
-hold = HoldHook(backend=proxy_gate.install_in_proxy(wait_ready))
+hold = HoldHook(backend=door.install_in_proxy(wait_ready))
 
 
 # --- the API key --------------------------------------------------------------------------------
@@ -234,7 +232,7 @@ def _unauthorized(message: str) -> ProxyException:
 
 async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:
     """Accept exactly the appliance's key; anything else is a 401 that says what is wrong."""
-    problem = proxy_gate.key_problem(api_key, os.environ.get("LITELLM_MASTER_KEY", ""))
+    problem = door.key_problem(api_key, os.environ.get("LITELLM_MASTER_KEY", ""))
     if problem is not None:
         raise _unauthorized(problem)
     given = api_key.removeprefix("Bearer ").strip()

@@ -21,8 +21,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance.errors import ApplianceError
-
 HOLD_FILE = "hold.json"
 HELD_DIR = "held"
 BYPASS_HEADER = "x-b70-hold-token"
@@ -65,6 +63,14 @@ def start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None  # field 22 of proc_pid_stat(5)
 
 
+class Unwritable(Exception):
+    """The mark could not be written (a full file system, a read-only one): nothing is held."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
 @contextmanager
 def marked(state_dir: Path, target: str) -> Iterator[Mark]:
     """Hold new requests at the proxy for as long as the block runs."""
@@ -75,12 +81,7 @@ def marked(state_dir: Path, target: str) -> Iterator[Mark]:
     try:
         _write(path, json.dumps(record) + "\n")
     except OSError as e:
-        raise ApplianceError(
-            f"cannot write the hold mark {path}: {e.strerror or e}; nothing was changed",
-            hint=f"free space on the file system of {state_dir} (df -h {state_dir}), "
-            "or fix its permissions; then switch again",
-            code="state_unwritable",
-        ) from None
+        raise Unwritable(path, e.strerror or str(e)) from None
     try:
         yield mark
     finally:

@@ -1,4 +1,4 @@
-"""The door (appliance.proxy_gate), called as a plain ASGI app in this process: routes, the key,
+"""The door (appliance.proxy.door), called as a plain ASGI app in this process: routes, the key,
 the body limit and the request checks. The runtime behind it is answered by httpx's MockTransport
 in the shapes the real runtimes answer (tests/test_door_real.py asks the real ones)."""
 
@@ -14,7 +14,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from appliance import proxy_checks, proxy_gate
+from appliance.proxy import checks as proxy_checks
+from appliance.proxy import door as proxy_gate
 
 KEY = "sk-b70-right"
 AUTH = {"authorization": f"Bearer {KEY}"}

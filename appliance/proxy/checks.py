@@ -1,4 +1,4 @@
-"""The request checks of the door (appliance.proxy_gate), and what they ask the serving runtime.
+"""The request checks of the door (appliance.proxy.door), and what they ask the serving runtime.
 
 Each check refuses a request with a Refusal in OpenAI's error shape, or lets it go on:
 
@@ -26,7 +26,7 @@ context of one slot). A kept answer older than FACTS_TTL_S is renewed in the bac
 asked again before it would refuse a request, so a switch to a runtime with a longer context never
 refuses a valid request; meanwhile a request checked against an older, longer context is checked
 by the runtime itself. When the runtime cannot say (stopped, loading, during a switch), checks 5
-and 6 pass and the request goes on to the request hold (appliance.proxy_hook).
+and 6 pass and the request goes on to the request hold (appliance.proxy.hook).
 
 Imported by the proxy: nothing from the rest of the controller.
 """

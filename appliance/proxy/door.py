@@ -19,7 +19,7 @@ LiteLLM parses it, so a bad request costs the runtime nothing. In order:
    in JSON escapes) and a few images as data URLs; the 50 MB bodies that once kept the proxy
    and llama-server busy for a minute do not pass.
 4-6. The request itself: JSON, model, messages or prompt, max_tokens, the prompt against the
-   runtime's context (appliance.proxy_checks).
+   runtime's context (appliance.proxy.checks).
 
 Then LiteLLM reads the body from what was read here, and the client's own messages after it (so
 a client that leaves mid-stream is still seen leaving, and its request cancelled in the runtime).
@@ -27,8 +27,8 @@ Every refusal is JSON in OpenAI's shape, {"error": {"message", "type", "param", 
 
 How the layer is put in front: LiteLLM's app is a FastAPI app, whose Starlette base builds
 `app.middleware_stack` on its first ASGI call (the lifespan start-up) and reads that attribute on
-every call after. The proxy imports appliance.proxy_hook inside that lifespan, when it loads its
-config, and proxy_hook calls install_in_proxy(): the built stack is wrapped in place. If the
+every call after. The proxy imports appliance.proxy.hook inside that lifespan, when it loads
+its config, and the hook calls install_in_proxy(): the built stack is wrapped in place. If the
 stack is not built yet, `build_middleware_stack` is wrapped instead, so it is wrapped whenever it
 gets built. Filtering `app.router.routes` instead would not hold: LiteLLM adds routes after
 start-up (lazy features register their routers on the first request to their prefix, and the
@@ -36,7 +36,7 @@ lifespan adds pass-through endpoints), and the body checks need a layer before L
 anyway. The outermost layer also sees each path before any of LiteLLM's middleware can rewrite
 it.
 
-Imported by the proxy: nothing from the rest of the controller but proxy_checks.
+Imported by the proxy: nothing from the rest of the controller but appliance.proxy.checks.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
-from appliance.proxy_checks import CHAT, COMPLETION, Backend, Refusal, check_request, parse_body
+from appliance.proxy.checks import CHAT, COMPLETION, Backend, Refusal, check_request, parse_body
 
 Scope = Mapping[str, Any]
 Message = dict[str, Any]
