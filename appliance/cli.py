@@ -663,7 +663,7 @@ def gpu_wait_free(
     Example:
       b70ctl gpu wait-free --need-gib 24 --timeout 120
     """
-    from appliance import memgate
+    from appliance.gpu import memgate
 
     if need_bytes < 0 or (need_gib is not None and not 0 <= need_gib <= 1024**2):
         raise ApplianceError(

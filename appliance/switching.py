@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import gpu, health, memgate, runtimes, state, systemd
+from appliance import gpu, health, runtimes, state, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
+from appliance.gpu import memgate
 from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout, Scope, layout
 from appliance.proxy import hold as hold_mark
 from appliance.render import render_all

@@ -3,7 +3,7 @@
 1. Cold `b70ctl gpu --json`: a new process each time, on this machine and on a fixture tree of a
    B70 with llama-server holding 22 GiB (the tree has no real ioctl: its render node is a file).
    `python -c pass` in the same venv is the floor, measured in the same run.
-2. One /proc scan (gpu.read_holders) with 500 extra `sleep` processes alive.
+2. One /proc scan (fdinfo.read_holders) with 500 extra `sleep` processes alive.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from appliance import gpu  # noqa: E402
+from appliance.gpu import fdinfo  # noqa: E402
 from tests import gpu_trees  # noqa: E402
 
 PY = str(REPO / ".venv" / "bin" / "python")
@@ -63,7 +63,7 @@ def main() -> None:
         scans = []
         for _ in range(7):
             t0 = time.perf_counter()
-            gpu.read_holders(Path("/"))
+            fdinfo.read_holders(Path("/"))
             scans.append(time.perf_counter() - t0)
         print(line(f"one /proc scan, {pids} processes", scans))
     finally:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import gpu
+from appliance.gpu import xe
 
 GIB = 1024**3
 ROOT_CAPS = "000001ffffffffff"  # root: every capability, CAP_PERFMON (38) included
@@ -54,9 +54,9 @@ class Proc:
 
 def mem_regions_reply(card: Card) -> bytes:
     """struct drm_xe_query_mem_regions with a sysmem and a vram0 region, as the kernel fills it."""
-    header = gpu.MEM_REGIONS_HEADER.pack(2, 0)
-    sysmem = gpu.MEM_REGION.pack(0, 0, 4096, card.sysmem_total, 0, 0, 0, *[0] * 6)
-    vram = gpu.MEM_REGION.pack(
+    header = xe.MEM_REGIONS_HEADER.pack(2, 0)
+    sysmem = xe.MEM_REGION.pack(0, 0, 4096, card.sysmem_total, 0, 0, 0, *[0] * 6)
+    vram = xe.MEM_REGION.pack(
         1, 0, 4096, card.vram_total, card.vram_used, card.vram_total, card.vram_used, *[0] * 6
     )
     return header + sysmem + vram

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from appliance import gpu, memgate
+from appliance import gpu
 from appliance.errors import ApplianceError
+from appliance.gpu import fdinfo, memgate, xe
 from tests import gpu_trees as t
 
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
@@ -27,14 +28,14 @@ GIB = t.GIB
 
 def test_ioctl_request_number_matches_the_uapi() -> None:
     # DRM_IOWR(DRM_COMMAND_BASE + DRM_XE_DEVICE_QUERY, struct drm_xe_device_query)
-    assert gpu.DRM_IOCTL_XE_DEVICE_QUERY == 0xC0286440
-    assert gpu.DEVICE_QUERY.size == 40
-    assert gpu.MEM_REGIONS_HEADER.size == 8
-    assert gpu.MEM_REGION.size == 88
+    assert xe.DRM_IOCTL_XE_DEVICE_QUERY == 0xC0286440
+    assert xe.DEVICE_QUERY.size == 40
+    assert xe.MEM_REGIONS_HEADER.size == 8
+    assert xe.MEM_REGION.size == 88
 
 
 def test_device_query_is_packed_field_by_field() -> None:
-    packed = gpu.pack_device_query(query=1, size=0x1234, data=0xDEADBEEF)
+    packed = xe.pack_device_query(query=1, size=0x1234, data=0xDEADBEEF)
     expected = (
         (0).to_bytes(8, "little")  # extensions
         + (1).to_bytes(4, "little")  # query: DRM_XE_DEVICE_QUERY_MEM_REGIONS
@@ -64,11 +65,11 @@ def test_mem_regions_reply_is_parsed_field_by_field() -> None:
         + region(0, 0, 64 * GIB, 0)
         + region(1, 0, 32 * GIB, 5 * GIB)
     )
-    regions = gpu.parse_mem_regions(reply, used_is_reliable=True)
-    assert regions == [gpu.Region(0, 0, 64 * GIB, 0), gpu.Region(1, 0, 32 * GIB, 5 * GIB)]
-    assert gpu.parse_mem_regions(reply, used_is_reliable=False)[1].used_bytes is None
+    regions = xe.parse_mem_regions(reply, used_is_reliable=True)
+    assert regions == [xe.Region(0, 0, 64 * GIB, 0), xe.Region(1, 0, 32 * GIB, 5 * GIB)]
+    assert xe.parse_mem_regions(reply, used_is_reliable=False)[1].used_bytes is None
     with pytest.raises(ValueError, match="claims 2 regions"):
-        gpu.parse_mem_regions(reply[:100], used_is_reliable=True)
+        xe.parse_mem_regions(reply[:100], used_is_reliable=True)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,7 @@ def test_mem_regions_reply_is_parsed_field_by_field() -> None:
     ],
 )
 def test_sizes_in_fdinfo(text: str, value: int | None) -> None:
-    assert gpu.parse_size(text) == value
+    assert fdinfo.parse_size(text) == value
 
 
 @pytest.mark.parametrize(
@@ -102,7 +103,7 @@ def test_sizes_in_fdinfo(text: str, value: int | None) -> None:
     ],
 )
 def test_unit_from_cgroup(cgroup: str, unit: str | None) -> None:
-    assert gpu.parse_cgroup_unit(cgroup) == unit
+    assert fdinfo.parse_cgroup_unit(cgroup) == unit
 
 
 # --- fixture trees -----------------------------------------------------------------------------
@@ -219,8 +220,8 @@ def test_garbage_fdinfo_lines_are_skipped(tree: Path) -> None:
     t.build(tree, [t.Card(t.B70)], [proc])
     ((_, held),) = gpu.snapshot(tree).devices[0].holders
     assert held == 22 * GIB
-    assert gpu.parse_fdinfo("pos:\t0\nflags:\t02\n") is None  # not a DRM client
-    client = gpu.parse_fdinfo("drm-driver:\txe\ndrm-resident-vram0:\tmany\n")
+    assert fdinfo.parse_fdinfo("pos:\t0\nflags:\t02\n") is None  # not a DRM client
+    client = fdinfo.parse_fdinfo("drm-driver:\txe\ndrm-resident-vram0:\tmany\n")
     assert client is not None and client.resident_vram_bytes == 0
 
 
@@ -258,8 +259,8 @@ def test_proc_entries_of_other_users_cannot_be_read(readable_tree: Path) -> None
     t.build(readable_tree, [t.Card(t.B70)], [t.llama_server(), hidden])
     # As an unprivileged user the root-owned fd directory of pid 7000 cannot be listed.
     code = (
-        "import json, sys; from pathlib import Path; from appliance import gpu; "
-        "s = gpu.read_holders(Path(sys.argv[1])); "
+        "import json, sys; from pathlib import Path; from appliance.gpu import fdinfo; "
+        "s = fdinfo.read_holders(Path(sys.argv[1])); "
         "print(json.dumps([s.unreadable_pids, [h.pid for h in s.holders]]))"
     )
     out = subprocess.run(
@@ -292,8 +293,8 @@ def test_a_gpu_client_whose_fdinfo_is_withheld_is_counted_as_unreadable(
     t.build(readable_tree, [t.Card(t.B70)], [t.llama_server(), t.foreign(pid=7000)])
     (readable_tree / "proc" / "7000" / "fdinfo").chmod(0o700)
     code = (
-        "import json, sys; from pathlib import Path; from appliance import gpu; "
-        "s = gpu.read_holders(Path(sys.argv[1])); "
+        "import json, sys; from pathlib import Path; from appliance.gpu import fdinfo; "
+        "s = fdinfo.read_holders(Path(sys.argv[1])); "
         "print(json.dumps([s.unreadable_pids, [h.pid for h in s.holders]]))"
     )
     out = subprocess.run(
@@ -308,10 +309,10 @@ def test_a_gpu_client_whose_fdinfo_is_withheld_is_counted_as_unreadable(
 
 def test_fdinfo_that_cannot_be_read_as_root_either(tree: Path) -> None:
     t.build(tree, [t.Card(t.B70)], [t.llama_server(), t.foreign(pid=7000)])
-    fdinfo = tree / "proc" / "7000" / "fdinfo" / "9"
-    fdinfo.unlink()
-    fdinfo.mkdir()  # read() fails with EISDIR while the fd is still open
-    scan = gpu.read_holders(tree)
+    fd_file = tree / "proc" / "7000" / "fdinfo" / "9"
+    fd_file.unlink()
+    fd_file.mkdir()  # read() fails with EISDIR while the fd is still open
+    scan = fdinfo.read_holders(tree)
     assert scan.unreadable_pids == 1 and [h.pid for h in scan.holders] == [4242]
     assert "1 processes could not be read" in b70ctl("gpu", "--root", str(tree)).stdout
 
@@ -457,7 +458,7 @@ def test_wait_free_times_out_naming_the_holder(tree: Path) -> None:
 
 
 def test_level_zero_sysman_is_optional_and_says_why_it_is_absent() -> None:
-    from appliance.sysman import read_sysman
+    from appliance.gpu.sysman import read_sysman
 
     result = read_sysman()
     # This machine has no Intel GPU: whether pyzes, the loader or a driver is missing, the

@@ -1,7 +1,7 @@
 """Level Zero Sysman through pyzes: device memory per PCI address, when it is installed.
 
 An optional source (`pip install b70-appliance[sysman]`, plus Intel's Level Zero loader,
-libze_loader.so.1). It reads the same xe query as gpu.query_mem_regions, so it adds a second
+libze_loader.so.1). It reads the same xe query as gpu.xe.query_mem_regions, so it adds a second
 opinion and a path for machines where the ioctl cannot be made; without CAP_PERFMON its `free`
 equals `size`, which is reported as used unknown.
 """
