@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 
 import httpx
 import psutil
 
+from appliance import run
 from appliance.errors import ApplianceError
 from appliance.runtimes import METRICS_PATH, parse_in_flight
 
@@ -103,14 +103,8 @@ def process_tree(pid: int) -> set[int]:
 
 
 def container_pid(cli: str, name: str) -> int | None:
-    try:
-        out = subprocess.run(
-            [cli, "inspect", "--format", "{{.State.Pid}}", name],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
+    out = run.ask([cli, "inspect", "--format", "{{.State.Pid}}", name], timeout_s=10)
+    if out is None:
         return None
     text = out.stdout.strip()
     return int(text) if out.returncode == 0 and text.isdigit() and int(text) > 0 else None

@@ -5,14 +5,13 @@ from __future__ import annotations
 import difflib
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import systemd
+from appliance import run, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
@@ -69,12 +68,9 @@ def verify_units(files: dict[str, str], scope: Scope) -> None:
             argv.insert(1, "--user")
         env = dict(os.environ)
         env.setdefault("XDG_RUNTIME_DIR", tmp)  # --user verify needs one, not a running manager
-        try:
-            out = subprocess.run(argv + paths, capture_output=True, text=True, timeout=60, env=env)
-        except FileNotFoundError:
-            raise ApplianceError(
-                "systemd-analyze is not installed", hint="install systemd", code="verify_failed"
-            ) from None
+        out = run.run(
+            argv + paths, timeout_s=60, hint="install systemd", env=env, code="verify_failed"
+        )
         text = (out.stdout + out.stderr).replace(tmp + "/", "")
         if out.returncode != 0 or text.strip():
             raise ApplianceError(
@@ -130,7 +126,12 @@ def install_config(config: Config, lay: Layout, now: float | None = None) -> Con
 
 def create_users(sysusers_file: Path) -> None:
     """systemd-sysusers creates the runtimes' users and adds them to the render group."""
-    out = subprocess.run(["systemd-sysusers", str(sysusers_file)], capture_output=True, text=True)
+    out = run.run(
+        ["systemd-sysusers", str(sysusers_file)],
+        timeout_s=60,
+        hint="install systemd",
+        code="install_failed",
+    )
     if out.returncode != 0:
         raise ApplianceError(
             f"systemd-sysusers could not create the runtime users: {out.stderr.strip()}",

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import gpu, health, runtimes, state, systemd
+from appliance import gpu, health, run, runtimes, state, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.gpu import memgate
@@ -116,17 +115,12 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
                 )
     else:
         cli = runtimes.container_cli(config, rt)
-        try:
-            out = subprocess.run(
-                [cli, "image", "inspect", rt.image or ""],
-                capture_output=True,
-                text=True,
-                timeout=30,
-            )
-        except OSError as e:
-            raise _preflight(
-                f"{where}: cannot run {cli}: {e.strerror}", f"install {rt.launcher}"
-            ) from None
+        out = run.run(
+            [cli, "image", "inspect", rt.image or ""],
+            timeout_s=30,
+            hint=f"install {rt.launcher}, or check that its daemon answers",
+            code="preflight_failed",
+        )
         if out.returncode != 0:
             raise _preflight(
                 f"{where}.image: {rt.image} is not present in {rt.launcher}",

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance import run
 from appliance.errors import ApplianceError
 from appliance.layout import Scope
 
@@ -198,13 +198,5 @@ def journal_command(
 
 
 def journal_excerpt(scope: Scope, unit: str, lines: int = 30, since: float | None = None) -> str:
-    try:
-        out = subprocess.run(
-            journal_command(scope, unit, lines, since=since),
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return out.stdout.strip()
+    out = run.ask(journal_command(scope, unit, lines, since=since), timeout_s=10)
+    return out.stdout.strip() if out is not None else ""
