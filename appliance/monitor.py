@@ -3,14 +3,7 @@
 Every interval it samples backend and proxy health, a tiny completion on the runtime, GPU
 memory and the runtime's own metrics, and exports them to Prometheus on loopback. systemd
 restarts a runtime that crashes (Restart=on-failure); the monitor handles what systemd cannot
-see:
-
-1. A hung runtime (alive, but /health or the probe completion times out) `hang_after` samples in
-   a row is restarted through systemd.
-2. A runtime that does not come back (its unit failed, or still unhealthy after
-   `restart_tries` restarts) is replaced by the fallback runtime through the same path as
-   `b70ctl switch`.
-3. While a switch holds the lock the monitor only observes.
+see: a hung runtime, one that does not come back, as decided by appliance.plans.judge.
 
 Every decision is written to the monitor state file with its reason; `b70ctl status` shows it.
 """
@@ -21,7 +14,7 @@ import fcntl
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -31,88 +24,11 @@ from appliance import gpu, health, runtimes, systemd
 from appliance.config import Config
 from appliance.files import write_atomic
 from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Scope, layout
+from appliance.plans import Action, Memory, Observation, judge
 from appliance.proxy import hold as hold_mark
 from appliance.status import recover_killed_switch
 
 FAILOVER_BACKOFF_S = 60
-
-
-@dataclass
-class Observation:
-    at: float
-    runtime: str | None  # the runtime whose unit is active or activating
-    unit_state: str | None  # its ActiveState
-    sub_state: str | None
-    main_pid: int | None
-    healthy: bool
-    detail: str
-    switching: bool
-    in_flight: int | None = None
-
-
-@dataclass
-class Memory:
-    """What the policy remembers between samples."""
-
-    failures: int = 0
-    restarts: int = 0
-    runtime: str | None = None
-    last_failure: dict[str, Any] | None = None
-    last_action: dict[str, Any] | None = None
-    restarts_by_monitor: int = 0
-    failovers: int = 0
-    started_at: float = field(default_factory=time.time)
-    hold_until: float = 0.0  # after a failed failover: observe only, until then
-    unsaved: str | None = None  # why the state file could not be written, while it cannot
-
-
-@dataclass(frozen=True)
-class Action:
-    kind: str  # "restart" or "failover"
-    runtime: str
-    reason: str
-
-
-def judge(
-    m: Memory, o: Observation, hang_after: int, restart_tries: int, fallback: str | None
-) -> Action | None:
-    """The policy, as numbered in the module docstring. Mutates `m`; returns what to do."""
-    if o.switching or o.at < m.hold_until:  # 3.
-        m.failures = 0
-        return None
-    if o.runtime != m.runtime:
-        m.runtime, m.failures, m.restarts = o.runtime, 0, 0
-    if o.runtime is None:
-        return None
-    if o.unit_state == "failed":  # 2. systemd gave up on it
-        m.last_failure = {
-            "at": o.at,
-            "runtime": o.runtime,
-            "reason": f"unit failed ({o.sub_state})",
-        }
-        return _failover(m, o, fallback, "its unit failed and systemd gave up restarting it")
-    if o.unit_state != "active":  # starting, or systemd is restarting it: wait, and count anew
-        m.failures = 0
-        return None
-    if o.healthy:
-        m.failures = 0
-        m.restarts = 0
-        return None
-    m.failures += 1
-    m.last_failure = {"at": o.at, "runtime": o.runtime, "reason": o.detail}
-    if m.failures < hang_after:
-        return None
-    m.failures = 0
-    if m.restarts >= restart_tries:  # 2. restarts did not help
-        return _failover(m, o, fallback, f"still unhealthy after {m.restarts} restarts: {o.detail}")
-    m.restarts += 1  # 1.
-    return Action("restart", o.runtime, f"hung: {o.detail} ({hang_after} samples in a row)")
-
-
-def _failover(m: Memory, o: Observation, fallback: str | None, why: str) -> Action | None:
-    if not fallback or fallback == o.runtime:
-        return None
-    return Action("failover", fallback, f"{o.runtime} {why}")
 
 
 # --- the loop ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import gpu, health, run, runtimes, state, systemd
+from appliance import gpu, health, plans, run, runtimes, state, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.gpu import memgate
@@ -175,16 +175,11 @@ def verify_through_proxy(
             time.sleep(1)
 
 
-def start_runtime(
-    config: Config,
-    lay: Layout,
-    sd: systemd.Systemd,
-    rt: RuntimeConfig,
-    progress: Progress,
-    token: str | None = None,
-    lock: state.SwitchLock | None = None,
-) -> tuple[dict[str, float], str]:
-    """One StartUnit: Conflicts= stops the old runtime in the same transaction. Then verify."""
+def start_unit(
+    config: Config, sd: systemd.Systemd, rt: RuntimeConfig, progress: Progress
+) -> dict[str, float]:
+    """One StartUnit: Conflicts= stops the old runtime in the same transaction. Waits until the
+    unit is active (its health gate passed); the seconds spent in each phase."""
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     if sd.state(rt.unit).sub_state == "auto-restart":  # a crash loop: end it, then start afresh
@@ -199,14 +194,18 @@ def start_runtime(
     ).items():
         timings[SUB_STATE_PHASE.get(sub, sub)] = seconds
     timings["unit"] = time.monotonic() - t0
-    t1 = time.monotonic()
-    if lock is not None:
-        lock.note(phase="verify")
+    return timings
+
+
+def verify_runtime(
+    config: Config, lay: Layout, rt: RuntimeConfig, progress: Progress, token: str | None
+) -> tuple[float, str]:
+    """A real completion through the proxy's port; the seconds it took, and the answer."""
+    t0 = time.monotonic()
     progress("verifying", f"a completion through port {config.proxy.port}")
     answer = verify_through_proxy(config, lay, token)
-    timings["verified"] = time.monotonic() - t1
     progress("verified", f"{rt.name} answers through port {config.proxy.port}")
-    return timings, answer
+    return time.monotonic() - t0, answer
 
 
 class SwitchInterrupted(ApplianceError):
@@ -309,6 +308,8 @@ def switch(
     1. lock; 2. preflight; 3. hold new requests at the proxy; 4. drain the old runtime;
     5. one StartUnit (Conflicts= stops the old one); 6. verify through the proxy (and gate);
     7. release the hold, enable the target, record. A failure in 5 or 6 rolls back, still held.
+
+    What to do is decided by appliance.plans.plan_switch from what was observed; this applies it.
     """
     lay = layout(scope)
     target = config.runtime(target_name)
@@ -321,37 +322,24 @@ def switch(
         if lock.stale is not None:
             recover_killed(config, lay, sd, lock.stale, progress, wait=True)
         notes = preflight(config, lay, sd, target)
-        phases = {"preflight": time.monotonic() - t0}
-        previous = serving_runtime(config, sd)
-        if previous == target_name and not restart:
-            answer = verify_through_proxy(config, lay)
-            notes.append(f"{target_name} is already serving")
-            enable_only(config, sd, target_name)
-            return SwitchResult(
-                target_name, previous, True, time.monotonic() - t0, phases, notes, answer
-            )
+        run = _Run(config, lay, sd, target, serving_runtime(config, sd), lock, interrupts, t0)
+        run.notes += notes
+        run.phases["preflight"] = time.monotonic() - t0
+        drain_for = config.proxy.drain_s if drain_s is None else drain_s
+        plan = plans.plan_switch(
+            plans.Observed(run.previous), target_name, plans.Options(restart, gate, drain_for)
+        )
+        if plan.already:
+            run.apply(plan.steps)
+            run.notes.append(f"{target_name} is already serving")
+            return run.result(ok=True)
         try:
             interrupts.check("preflight")
-            return _switch_held(
-                config,
-                lay,
-                sd,
-                target,
-                previous,
-                phases,
-                notes,
-                t0,
-                lock,
-                interrupts,
-                gate,
-                drain_s,
-            )
+            return run.switch(plan)
         except SwitchInterrupted as e:
             if e.recorded:
                 raise
-            result = SwitchResult(
-                target_name, previous, False, time.monotonic() - t0, phases, notes, error=e.message
-            )
+            result = run.result(ok=False, error=e.message)
             unrecorded = state.record_switch(
                 lay.state_dir, {**result.record(), "interrupted": True}
             )
@@ -377,89 +365,160 @@ def holding(state_dir: Path, target: str) -> Iterator[hold_mark.Mark]:
         yield mark
 
 
-def _switch_held(
-    config: Config,
-    lay: Layout,
-    sd: systemd.Systemd,
-    target: RuntimeConfig,
-    previous: str | None,
-    phases: dict[str, float],
-    notes: list[str],
-    t0: float,
-    lock: state.SwitchLock,
-    interrupts: Interrupts,
-    gate: bool,
-    drain_s: float | None,
-) -> SwitchResult:
-    """Steps 3-7 of the switch, with new requests held at the proxy."""
-    target_name = target.name
-    scope = lay.scope
-    with holding(lay.state_dir, target_name) as mark:
-        lock.note(previous=previous, phase="hold")
-        progress = interrupts.progress
-        progress("holding", f"new requests wait at port {config.proxy.port}")
-        if previous is not None:
-            lock.note(phase="drain")
-            timeout = config.proxy.drain_s if drain_s is None else drain_s
-            phases["drained"], left = drain(
-                config, timeout, progress, lambda: interrupts.received is not None
+class _Run:
+    """One switch, applying the steps of its plan through systemd, the proxy and the state
+    directory; it keeps what the record needs (phases, notes, the answer)."""
+
+    def __init__(
+        self,
+        config: Config,
+        lay: Layout,
+        sd: systemd.Systemd,
+        target: RuntimeConfig,
+        previous: str | None,
+        lock: state.SwitchLock,
+        interrupts: Interrupts,
+        t0: float,
+    ) -> None:
+        self.config, self.lay, self.sd, self.target = config, lay, sd, target
+        self.previous, self.lock, self.interrupts, self.t0 = previous, lock, interrupts, t0
+        self.progress = interrupts.progress
+        self.phases: dict[str, float] = {}
+        self.notes: list[str] = []
+        self.answer: str | None = None
+        self.token: str | None = None  # the hold mark's: the switch's own requests pass it
+        self.started_at: float | None = None  # the failed start's journal begins here
+        self.hold = ExitStack()
+        self.current: plans.Step | None = None  # the step being applied
+
+    def result(self, ok: bool, **fields: Any) -> SwitchResult:
+        return SwitchResult(
+            self.target.name,
+            self.previous,
+            ok,
+            time.monotonic() - self.t0,
+            self.phases,
+            self.notes,
+            self.answer,
+            **fields,
+        )
+
+    def switch(self, plan: plans.Plan) -> SwitchResult:
+        """Steps 3-7: the plan's steps, and its rollback if a start, verify or gate fails."""
+        with self.hold:
+            try:
+                self.apply(plan.steps)
+            except ApplianceError as failure:
+                if self.current is None or self.current.kind not in plans.ROLLED_BACK:
+                    raise  # before the commit nothing changed; a stop that hangs is its own error
+                return self.roll_back(plan, failure)
+        received = self.interrupts.received
+        unrecorded = state.record_switch(
+            self.lay.state_dir,
+            {**self.result(ok=True).record(), "interrupted": received is not None},
+        )
+        if unrecorded:
+            self.notes.append(unrecorded)
+        if received:
+            raise SwitchInterrupted(
+                f"interrupted by {received} after {self.target.name} had begun to start; the "
+                f"switch was finished: {self.target.name} is serving",
+                recorded=True,
             )
-            interrupts.check("the drain")
+        return self.result(ok=True)
+
+    def apply(self, steps: tuple[plans.Step, ...], rolling_back: bool = False) -> None:
+        for step in steps:
+            self.current = step
+            self.step(step, rolling_back)
+
+    def step(self, step: plans.Step, rolling_back: bool = False) -> None:
+        config, sd, progress = self.config, self.sd, self.progress
+        rt = config.runtime(step.runtime) if step.runtime else self.target
+        if step.kind == plans.HOLD:
+            self.token = self.hold.enter_context(holding(self.lay.state_dir, rt.name)).token
+            self.lock.note(previous=self.previous, phase="hold")
+            progress("holding", f"new requests wait at port {config.proxy.port}")
+        elif step.kind == plans.DRAIN:
+            self.lock.note(phase="drain")
+            timeout = step.seconds if step.seconds is not None else config.proxy.drain_s
+            stop = lambda: self.interrupts.received is not None  # noqa: E731
+            self.phases["drained"], left = drain(config, timeout, progress, stop)
+            self.interrupts.check("the drain")
             if left:
-                notes.append(
+                self.notes.append(
                     f"drain: {left} request(s) still in flight after {timeout:g} s; "
-                    f"{previous} was given its stop timeout to finish them"
+                    f"{rt.name} was given its stop timeout to finish them"
                 )
             elif left is None:
-                notes.append(f"drain: {previous} did not report its requests in flight")
-        interrupts.check("the drain")
-        interrupts.committed = True
-        lock.note(phase="start")
-        if previous == target_name:
-            progress("stopping", target.unit)
-            sd.stop(target.unit)
-            wait_stopped(sd, target.unit, runtimes.stop_timeouts(target).unit_s + 30)
-        started_at = time.time()  # the failed start's journal lines are the ones after this
+                self.notes.append(f"drain: {rt.name} did not report its requests in flight")
+        elif step.kind == plans.COMMIT:
+            self.interrupts.check("the drain")
+            self.interrupts.committed = True
+            self.lock.note(phase="start")
+        elif step.kind == plans.STOP:
+            progress("stopping", rt.unit)
+            sd.stop(rt.unit)
+            if not rolling_back:
+                wait_stopped(sd, rt.unit, runtimes.stop_timeouts(rt).unit_s + 30)
+        elif step.kind == plans.START:
+            if rolling_back:
+                progress("rolling back", f"starting {rt.name} again")
+            elif self.started_at is None:
+                self.started_at = time.time()
+            timings = start_unit(config, sd, rt, progress)
+            if not rolling_back:
+                self.phases.update(timings)
+        elif step.kind == plans.VERIFY:
+            if not rolling_back and self.token is not None:
+                self.lock.note(phase="verify")
+            took, answer = verify_runtime(config, self.lay, rt, progress, self.token)
+            if not rolling_back:
+                self.phases["verified"], self.answer = took, answer
+        elif step.kind == plans.GATE:
+            self.lock.note(phase="gate")
+            t_gate = time.monotonic()
+            progress("gating", "JSON mode and canaries")
+            run_gate(config, self.lay, rt.name, token=self.token)
+            self.phases["gated"] = time.monotonic() - t_gate
+        elif step.kind == plans.ENABLE:
+            self.hold.close()  # the held requests go on now; the rest is bookkeeping
+            enable_only(config, sd, rt.name)
+        else:  # pragma: no cover - a plan names only the steps above
+            raise AssertionError(f"unknown step {step}")
+
+    def roll_back(self, plan: plans.Plan, failure: ApplianceError) -> SwitchResult:
+        """The plan's rollback, still held; then the error, recorded."""
+        self.lock.note(phase="rollback")
+        target = self.target
+        journal = systemd.journal_excerpt(self.lay.scope, target.unit, since=self.started_at)
+        reason = f"switch to {target.name} failed: {failure.message}"
+        if journal:
+            tail = "\n".join("    " + line for line in journal.splitlines()[-12:])
+            reason += f"\n  last lines of {target.unit}:\n{tail}"
+        rolled_back = False
         try:
-            timings, answer = start_runtime(config, lay, sd, target, progress, mark.token, lock)
-            if gate:
-                lock.note(phase="gate")
-                t_gate = time.monotonic()
-                progress("gating", "JSON mode and canaries")
-                run_gate(config, lay, target_name, token=mark.token)
-                timings["gated"] = time.monotonic() - t_gate
-        except ApplianceError as failure:
-            lock.note(phase="rollback")
-            result = _roll_back(
-                config, lay, sd, target, previous, failure, progress, mark.token, started_at
-            )
-            result.phases = phases
-            result.seconds = time.monotonic() - t0
-            result.notes = notes
-            unrecorded = state.record_switch(
-                lay.state_dir, {**result.record(), "interrupted": interrupts.received is not None}
-            )
-            raise ApplianceError(
-                (result.error or failure.message) + (f"\n{unrecorded}" if unrecorded else ""),
-                hint=f"journal: {' '.join(systemd.journal_command(scope, target.unit, 50))}",
-                code="switch_failed",
-                details={"switch": result.record(), "journal": result.journal},
-            ) from failure
-    phases.update(timings)
-    enable_only(config, sd, target_name)
-    result = SwitchResult(target_name, previous, True, time.monotonic() - t0, phases, notes, answer)
-    unrecorded = state.record_switch(
-        lay.state_dir, {**result.record(), "interrupted": interrupts.received is not None}
-    )
-    if unrecorded:
-        notes.append(unrecorded)
-    if interrupts.received:
-        raise SwitchInterrupted(
-            f"interrupted by {interrupts.received} after {target_name} had begun to start; the "
-            f"switch was finished: {target_name} is serving",
-            recorded=True,
+            self.apply(plan.rollback, rolling_back=True)
+        except ApplianceError as second:
+            reason += f"\n  rolling back to {self.previous} failed as well: {second.message}"
+        else:
+            if self.previous is None:
+                reason += "\n  no runtime was serving before, so none is serving now"
+            else:
+                rolled_back = True
+                reason += f"\n  rolled back: {self.previous} is serving again"
+        result = self.result(ok=False, rolled_back=rolled_back, error=reason, journal=journal)
+        self.hold.close()
+        unrecorded = state.record_switch(
+            self.lay.state_dir,
+            {**result.record(), "interrupted": self.interrupts.received is not None},
         )
-    return result
+        raise ApplianceError(
+            reason + (f"\n{unrecorded}" if unrecorded else ""),
+            hint=f"journal: {' '.join(systemd.journal_command(self.lay.scope, target.unit, 50))}",
+            code="switch_failed",
+            details={"switch": result.record(), "journal": journal},
+        ) from failure
 
 
 def enable_only(config: Config, sd: systemd.Systemd, name: str) -> None:
@@ -557,36 +616,4 @@ def run_gate(
             code="gate_failed",
             details={"checks": [vars(c) for c in result.checks]},
         )
-    return result
-
-
-def _roll_back(
-    config: Config,
-    lay: Layout,
-    sd: systemd.Systemd,
-    target: RuntimeConfig,
-    previous: str | None,
-    failure: ApplianceError,
-    progress: Progress,
-    token: str,
-    since: float | None = None,
-) -> SwitchResult:
-    journal = systemd.journal_excerpt(lay.scope, target.unit, since=since)
-    reason = f"switch to {target.name} failed: {failure.message}"
-    if journal:
-        tail = "\n".join("    " + line for line in journal.splitlines()[-12:])
-        reason += f"\n  last lines of {target.unit}:\n{tail}"
-    result = SwitchResult(target.name, previous, False, 0.0, {}, [], error=reason, journal=journal)
-    if previous is None:
-        sd.stop(target.unit)
-        result.error = reason + "\n  no runtime was serving before, so none is serving now"
-        return result
-    progress("rolling back", f"starting {previous} again")
-    try:
-        start_runtime(config, lay, sd, config.runtime(previous), progress, token)
-    except ApplianceError as second:
-        result.error = reason + f"\n  rolling back to {previous} failed as well: {second.message}"
-        return result
-    result.rolled_back = True
-    result.error = reason + f"\n  rolled back: {previous} is serving again"
     return result

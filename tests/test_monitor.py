@@ -1,4 +1,5 @@
-"""The monitor: its policy on data, and b70-monitor.service on the real stack."""
+"""The monitor: its state across restarts, and b70-monitor.service on the real stack (its
+policy is tested in tests/test_plans.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.monitor import Action, Memory, Observation, judge, restore, save
+from appliance.monitor import restore, save
+from appliance.plans import Memory
 from appliance.proxy import hold
 from appliance.proxy import hook as proxy_hook
 from tests.conftest import (
@@ -29,43 +31,6 @@ from tests.conftest import (
 )
 
 
-def obs(
-    runtime: str | None = "a", unit: str = "active", healthy: bool = True, switching: bool = False
-) -> Observation:
-    return Observation(
-        0.0,
-        runtime,
-        unit,
-        "running",
-        1,
-        healthy,
-        "ok" if healthy else "/health: no answer",
-        switching,
-    )
-
-
-def run_policy(observations: list[Observation], fallback: str | None = "b") -> list[Action | None]:
-    m = Memory()
-    return [judge(m, o, hang_after=2, restart_tries=1, fallback=fallback) for o in observations]
-
-
-def test_policy_restarts_a_hung_runtime_then_fails_over() -> None:
-    sick = obs(healthy=False)
-    actions = run_policy([obs(), sick, sick, sick, sick])
-    assert [a.kind if a else None for a in actions] == [None, None, "restart", None, "failover"]
-    assert actions[2] == Action("restart", "a", "hung: /health: no answer (2 samples in a row)")
-    assert actions[4] == Action(
-        "failover", "b", "a still unhealthy after 1 restarts: /health: no answer"
-    )
-
-
-def test_policy_forgets_failures_once_healthy_and_waits_while_starting() -> None:
-    sick = obs(healthy=False)
-    assert (
-        run_policy([sick, obs(), sick, obs(unit="activating", healthy=False), sick]) == [None] * 5
-    )
-
-
 def test_counters_survive_a_restart_of_the_monitor(tmp_path: Path) -> None:
     m = Memory(failures=2, restarts_by_monitor=3, failovers=1, hold_until=time.time() + 60)
     m.last_action = {"what": "restart", "runtime": "llamacpp", "reason": "hung", "result": "ok"}
@@ -76,17 +41,6 @@ def test_counters_survive_a_restart_of_the_monitor(tmp_path: Path) -> None:
     assert again.failures == 0 and again.hold_until == 0.0
     (tmp_path / "monitor.json").write_text('{"restarts_by_monitor": "x", "failovers": true}')
     assert (restore(tmp_path).restarts_by_monitor, restore(tmp_path).failovers) == (0, 0)
-
-
-def test_policy_fails_over_from_a_failed_unit_but_not_during_a_switch_or_without_fallback() -> None:
-    assert run_policy([obs(unit="failed", healthy=False)])[0] == Action(
-        "failover", "b", "a its unit failed and systemd gave up restarting it"
-    )
-    assert run_policy([obs(unit="failed", healthy=False, switching=True)]) == [None]
-    assert run_policy([obs(unit="failed", healthy=False)], fallback=None) == [None]
-    assert run_policy([obs(runtime="b", unit="failed", healthy=False)]) == [
-        None
-    ]  # it is the fallback
 
 
 # --- b70-monitor.service on the real stack -----------------------------------------------------

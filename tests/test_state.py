@@ -10,6 +10,7 @@ import pytest
 
 from appliance import errors, files, monitor, state, switching
 from appliance.layout import LAST_SWITCH
+from appliance.plans import Memory
 from appliance.proxy import hold
 
 
@@ -66,7 +67,7 @@ def test_the_monitor_logs_a_state_it_cannot_save_once_and_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lines: list[str] = []
-    m = monitor.Memory(restarts_by_monitor=2)
+    m = Memory(restarts_by_monitor=2)
     monkeypatch.setattr(monitor, "write_atomic", full)
     for _ in range(3):
         doc = monitor.save(tmp_path, m, None, lines.append)
