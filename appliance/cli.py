@@ -454,33 +454,18 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     Example:
       b70ctl gate && b70ctl switch vllm --gate
     """
-    from appliance import runtimes, state, systemd, units
-    from appliance.gate import run_gate
+    from appliance import gate, systemd, units
     from appliance.layout import layout
 
     config = ctx.config()
-    lay = layout(ctx.scope)
     with systemd.connect(ctx.scope) as sd:
         serving = units.require_serving(config, sd)
-    result = run_gate(
-        runtimes.proxy_url(config),
-        state.read_key(lay),
-        config.proxy.model,
-        serving,
-        lay.state_dir,
-        k,
-        record,
-    )
+    result = gate.through_proxy(config, layout(ctx.scope), serving, record=record, k=k)
     doc = {"runtime": result.runtime, "ok": result.ok, "checks": [vars(c) for c in result.checks]}
     if not ctx.json:
         for c in result.checks:
             click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
-    if not result.ok:
-        raise ApplianceError(
-            f"{result.runtime} failed the validity gates: {result.failures()}",
-            code="gate_failed",
-            details=doc,
-        )
+    gate.require(result)
     if ctx.json:
         output.emit_json(doc)
 

@@ -15,8 +15,13 @@ from typing import Any
 
 import httpx
 
+from appliance import runtimes
+from appliance.config import Config
+from appliance.errors import ApplianceError
 from appliance.files import write_atomic
-from appliance.layout import CANARY_FILE
+from appliance.layout import CANARY_FILE, Layout
+from appliance.proxy import hold as hold_mark
+from appliance.state import read_key
 
 CITY_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -160,7 +165,7 @@ def check_canaries(
     return Check("canaries", True, f"{len(CANARIES)} of {len(CANARIES)} answers as recorded")
 
 
-def run_gate(
+def check(
     base_url: str,
     api_key: str,
     model: str,
@@ -176,5 +181,42 @@ def run_gate(
         result.checks.append(check_json_mode(client, model, k))
         result.checks.append(
             check_canaries(client, model, runtime, state_dir / CANARY_FILE, record)
+        )
+    return result
+
+
+def through_proxy(
+    config: Config,
+    lay: Layout,
+    runtime: str,
+    record: bool = False,
+    token: str | None = None,
+    k: int = 4,
+) -> GateResult:
+    """The gates through the appliance's proxy, with its key; `token` passes a switch's hold."""
+    return check(
+        runtimes.proxy_url(config),
+        read_key(lay),
+        config.proxy.model,
+        runtime,
+        lay.state_dir,
+        k,
+        record=record,
+        headers={hold_mark.BYPASS_HEADER: token} if token else None,
+    )
+
+
+def require(result: GateResult) -> GateResult:
+    """The result, if every check passed; else the error naming what failed."""
+    if not result.ok:
+        raise ApplianceError(
+            f"{result.runtime} failed the validity gates: {result.failures()}",
+            hint="`b70ctl gate --json` shows every check; `--record` records canaries anew",
+            code="gate_failed",
+            details={
+                "runtime": result.runtime,
+                "ok": False,
+                "checks": [vars(c) for c in result.checks],
+            },
         )
     return result

@@ -26,7 +26,7 @@ from appliance.files import write_atomic
 from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Scope, layout
 from appliance.plans import Action, Memory, Observation, judge
 from appliance.proxy import hold as hold_mark
-from appliance.status import recover_killed_switch
+from appliance.recovery import recover_killed_switch
 
 FAILOVER_BACKOFF_S = 60
 
@@ -34,7 +34,7 @@ FAILOVER_BACKOFF_S = 60
 # --- the loop ----------------------------------------------------------------------------------
 
 
-def switching(state_dir: Path) -> bool:
+def switch_running(state_dir: Path) -> bool:
     """A switch holds the lock (preflight) or the hold mark (drain, start, verify)."""
     return hold_mark.read_mark(state_dir) is not None or _lock_held(state_dir)
 
@@ -75,7 +75,15 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation
             healthy, detail = _probe_completion(url, config.proxy.model, mon.probe_timeout_s)
         in_flight = health.read_in_flight(url, timeout_s=mon.health_timeout_s)
     return Observation(
-        now, runtime, unit_state, sub_state, pid, healthy, detail, switching(state_dir), in_flight
+        now,
+        runtime,
+        unit_state,
+        sub_state,
+        pid,
+        healthy,
+        detail,
+        switch_running(state_dir),
+        in_flight,
     )
 
 

@@ -9,6 +9,7 @@ from appliance import health, runtimes, state, systemd
 from appliance.config import Config, Launcher
 from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
 from appliance.proxy import hold
+from appliance.recovery import recover_killed_switch
 
 
 def status(config: Config, scope: Scope) -> dict[str, Any]:
@@ -79,24 +80,6 @@ def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> st
         f"port {config.backend.port} is held by {health.describe(found)}, "
         "which is not part of the appliance"
     )
-
-
-def recover_killed_switch(
-    config: Config, sd: systemd.Systemd, state_dir: Path
-) -> dict[str, Any] | None:
-    """Finds a switch that was killed and recovers from it without waiting (see
-    switching.recover_killed). Returns its trace while it cannot be recovered yet."""
-    with state.killed_switch(state_dir) as trace:
-        if trace is None:
-            return None
-        from appliance import switching  # only when there is something to recover
-        from appliance.units import no_progress
-
-        lay = layout(sd.scope)
-        if switching.recover_killed(config, lay, sd, trace.info, no_progress, wait=False):
-            trace.clear_stale()
-            return None
-        return trace.info
 
 
 def hold_view(state_dir: Path) -> dict[str, Any]:

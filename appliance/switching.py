@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -13,18 +9,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import gpu, health, plans, run, runtimes, state, systemd
-from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance import gate, health, plans, runtimes, state, systemd
+from appliance.config import Config, RuntimeConfig
 from appliance.errors import ApplianceError
-from appliance.gpu import memgate
-from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout, Scope, layout
+from appliance.interrupts import Interrupts, SwitchInterrupted
+from appliance.layout import Layout, Scope, layout
+from appliance.preflight import preflight
 from appliance.proxy import hold as hold_mark
-from appliance.render import render_all
+from appliance.recovery import recover_killed
 from appliance.state import read_key
 from appliance.units import (
     SUB_STATE_PHASE,
     Progress,
-    check_port,
+    enable_only,
     no_progress,
     serving_runtime,
     wait_started,
@@ -40,92 +37,6 @@ VERIFY_PROMPT = "Reply with one word: ready"
 
 
 # --- switch ------------------------------------------------------------------------------------
-
-
-def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeConfig) -> list[str]:
-    """Check the target without touching anything. Returns notes; raises on the first problem."""
-    notes = []
-    files = render_all(config, lay)
-    for name in (target.unit, PROXY_UNIT, PROXY_CONFIG):
-        dest = lay.destination(name)
-        try:
-            current = dest.read_text()
-        except FileNotFoundError:
-            raise _preflight(f"{dest} is not installed", "run `b70ctl install`") from None
-        if current != files[name]:
-            raise _preflight(
-                f"{dest} differs from what {config.path} renders",
-                "run `b70ctl render --diff` to see how, then `b70ctl install`",
-            )
-    if sd.state(target.unit).load_state != "loaded":
-        raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
-    check_runtime_files(config, target)
-    check_port(sd, [rt.unit for rt in config.runtimes.values()], config.backend.port, "backend")
-    if sd.state(PROXY_UNIT).active_state != "active":
-        raise _preflight(
-            f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
-            f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
-        )
-    snap = gpu.snapshot(gpu.sysroot())
-    need = target.memory_needed_bytes
-    verdict = memgate.judge_switch(snap, config.gpu.device, need, container_pids(config))
-    if not verdict.ok:
-        raise ApplianceError(
-            f"{target.name} would not have enough GPU memory: {verdict.reason}",
-            hint="stop that process first; `b70ctl gpu` shows every holder",
-            code="gpu_memory_busy",
-        )
-    notes.append(f"GPU memory: {verdict.reason}")
-    return notes
-
-
-def container_pids(config: Config) -> set[int]:
-    """Processes of the appliance's containers: they live outside the b70 units' cgroups."""
-    pids: set[int] = set()
-    for rt in config.runtimes.values():
-        if rt.launcher is not Launcher.NATIVE:
-            cli = runtimes.container_cli(config, rt)
-            pid = health.container_pid(cli, runtimes.container_name(rt))
-            if pid:
-                pids |= health.process_tree(pid)
-    return pids
-
-
-def _preflight(message: str, hint: str) -> ApplianceError:
-    return ApplianceError(message, hint=hint, code="preflight_failed")
-
-
-def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
-    where = f"runtimes.{rt.name}"
-    if rt.launcher is Launcher.NATIVE:
-        exe = rt.command[0]
-        found = exe if os.path.isabs(exe) else shutil.which(exe)
-        if not found or not os.access(found, os.X_OK):
-            raise _preflight(
-                f"{where}.command: {exe} is not an executable file", "install it or fix the path"
-            )
-        for key, path in (("model", rt.model), ("mmproj", rt.mmproj)):
-            if (
-                path
-                and (os.path.isabs(path) or rt.engine is Engine.LLAMACPP)
-                and not os.path.exists(path)
-            ):
-                raise _preflight(
-                    f"{where}.{key}: {path} does not exist", "download it or fix the path"
-                )
-    else:
-        cli = runtimes.container_cli(config, rt)
-        out = run.run(
-            [cli, "image", "inspect", rt.image or ""],
-            timeout_s=30,
-            hint=f"install {rt.launcher}, or check that its daemon answers",
-            code="preflight_failed",
-        )
-        if out.returncode != 0:
-            raise _preflight(
-                f"{where}.image: {rt.image} is not present in {rt.launcher}",
-                f"pull it first: {cli} pull {rt.image}",
-            )
 
 
 @dataclass
@@ -206,65 +117,6 @@ def verify_runtime(
     answer = verify_through_proxy(config, lay, token)
     progress("verified", f"{rt.name} answers through port {config.proxy.port}")
     return time.monotonic() - t0, answer
-
-
-class SwitchInterrupted(ApplianceError):
-    def __init__(self, message: str, recorded: bool = False) -> None:
-        super().__init__(message, code="interrupted", exit_code=130)
-        self.recorded = recorded  # the switch's record is written already
-
-
-class Interrupts:
-    """SIGINT (Ctrl-C) and SIGTERM during a switch: noted, and acted on at the next safe point.
-
-    Before the target's StartUnit the switch stops there and nothing has changed. From the
-    StartUnit on, the old runtime is already stopping: the switch finishes (or rolls back) as if
-    nothing had happened, then says it was interrupted. Either way the hold is released and the
-    switch is recorded; the command exits 130.
-
-    The signals are blocked for the switch and collected when it looks (`received`), rather than
-    handled: a handler would break the D-Bus call it interrupts (sd-bus returns EINTR).
-    """
-
-    SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
-
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
-        self._received: str | None = None
-        self.committed = False  # the StartUnit was sent: finish instead of stopping
-        self._blocked = False
-
-    def __enter__(self) -> Interrupts:
-        if threading.current_thread() is threading.main_thread():
-            signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
-            self._blocked = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._blocked:
-            self._collect()  # taken here, so unblocking does not deliver them
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
-
-    def _collect(self) -> None:
-        while self._blocked and (info := signal.sigtimedwait(self.SIGNALS, 0)) is not None:
-            if self._received is None:
-                self._received = signal.Signals(info.si_signo).name
-                then = "finishing the switch" if self.committed else "stopping at a safe point"
-                self.progress("interrupted", f"{self._received}: {then}, then exiting")
-
-    @property
-    def received(self) -> str | None:
-        """The first SIGINT or SIGTERM that came, by name."""
-        self._collect()
-        return self._received
-
-    def check(self, phase: str) -> None:
-        """Stop here if a signal came and the switch has not committed to the start yet."""
-        if self.received and not self.committed:
-            raise SwitchInterrupted(
-                f"interrupted by {self.received} during {phase}, before the new runtime was "
-                "started: nothing was changed",
-            )
 
 
 def drain(
@@ -479,7 +331,7 @@ class _Run:
             self.lock.note(phase="gate")
             t_gate = time.monotonic()
             progress("gating", "JSON mode and canaries")
-            run_gate(config, self.lay, rt.name, token=self.token)
+            gate.require(gate.through_proxy(config, self.lay, rt.name, token=self.token))
             self.phases["gated"] = time.monotonic() - t_gate
         elif step.kind == plans.ENABLE:
             self.hold.close()  # the held requests go on now; the rest is bookkeeping
@@ -519,101 +371,3 @@ class _Run:
             code="switch_failed",
             details={"switch": result.record(), "journal": journal},
         ) from failure
-
-
-def enable_only(config: Config, sd: systemd.Systemd, name: str) -> None:
-    """Make runtime `name` the one that starts at boot, and no other."""
-    sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != name])
-    sd.enable([config.runtime(name).unit])
-
-
-def recover_killed(
-    config: Config,
-    lay: Layout,
-    sd: systemd.Systemd,
-    trace: dict[str, Any],
-    progress: Progress,
-    wait: bool,
-) -> str | None:
-    """After a switch that was killed (no cleanup ran): record it, and leave one runtime serving
-    that is also the one enabled at boot. Returns what was done, or None while systemd is still
-    finishing a job the killed switch started (then the trace stays for the next command).
-
-    1. A runtime unit still has a job pending: with `wait`, wait for it; else come back later.
-    2. One runtime serves: it becomes the one enabled at boot.
-    3. None serves: the one enabled at boot is started (the default runtime if none is).
-    """
-    units = {name: rt.unit for name, rt in config.runtimes.items()}
-    for rt in config.runtimes.values():
-        if not sd.state(rt.unit).job_pending:
-            continue
-        if not wait:
-            return None
-        progress("recovering", f"waiting for systemd to finish its job on {rt.unit}")
-        _wait_settled(sd, rt.unit, rt.start_timeout_s + runtimes.stop_timeouts(rt).unit_s + 30)
-    serving = serving_runtime(config, sd)
-    if serving is not None:
-        done = f"{serving} is serving; it is now the runtime enabled at boot"
-        enable_only(config, sd, serving)
-    else:
-        enabled = [n for n, u in sorted(units.items()) if sd.state(u).unit_file_state == "enabled"]
-        name = enabled[0] if enabled else config.default_runtime
-        rt = config.runtime(name)
-        progress("recovering", f"no runtime is serving: starting {rt.unit}")
-        sd.reset_failed(rt.unit)
-        sd.start(rt.unit)
-        enable_only(config, sd, name)
-        done = f"no runtime was serving; started {name}, the runtime enabled at boot"
-        if wait:
-            try:
-                wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
-            except ApplianceError as e:
-                done += f", which failed: {e.message}"
-    (lay.state_dir / hold_mark.HOLD_FILE).unlink(missing_ok=True)
-    pid, phase = trace.get("pid"), trace.get("phase")
-    error = f"b70ctl switch (pid {pid}) was killed during {phase or 'its start-up'}; {done}"
-    record: dict[str, Any] = {
-        "at": time.time(),
-        "from": trace.get("previous"),
-        "to": trace.get("target"),
-        "ok": False,
-        "seconds": round(time.time() - float(trace.get("started_at") or time.time()), 3),
-        "phases": {},
-        "rolled_back": False,
-        "interrupted": True,
-        "error": error,
-    }
-    unrecorded = state.record_switch(lay.state_dir, record)
-    progress("recovered", error + (f" ({unrecorded})" if unrecorded else ""))
-    return done
-
-
-def _wait_settled(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while sd.state(unit).job_pending and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-
-
-def run_gate(
-    config: Config, lay: Layout, runtime: str, record: bool = False, token: str | None = None
-) -> Any:
-    """The validity gates through the proxy; raises ApplianceError naming what failed."""
-    from appliance.gate import run_gate as gate_checks
-
-    result = gate_checks(
-        runtimes.proxy_url(config),
-        read_key(lay),
-        config.proxy.model,
-        runtime,
-        lay.state_dir,
-        record=record,
-        headers={hold_mark.BYPASS_HEADER: token} if token else None,
-    )
-    if not result.ok:
-        raise ApplianceError(
-            f"{runtime} failed the validity gates: {result.failures()}",
-            hint="`b70ctl gate --json` shows every check; `--record` records canaries anew",
-            code="gate_failed",
-            details={"checks": [vars(c) for c in result.checks]},
-        )
-    return result

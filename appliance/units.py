@@ -107,3 +107,9 @@ def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> N
             hint=f"stop that process, or choose another [{role}] port in the config",
             code="port_busy",
         )
+
+
+def enable_only(config: Config, sd: systemd.Systemd, name: str) -> None:
+    """Make runtime `name` the one that starts at boot, and no other."""
+    sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != name])
+    sd.enable([config.runtime(name).unit])

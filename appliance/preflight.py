@@ -1,0 +1,100 @@
+"""A switch's preflight: everything it needs, checked before anything is touched."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from appliance import gpu, health, run, runtimes, systemd
+from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance.errors import ApplianceError
+from appliance.gpu import memgate
+from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout
+from appliance.render import render_all
+from appliance.units import check_port
+
+
+def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeConfig) -> list[str]:
+    """Check the target without touching anything. Returns notes; raises on the first problem."""
+    notes = []
+    files = render_all(config, lay)
+    for name in (target.unit, PROXY_UNIT, PROXY_CONFIG):
+        dest = lay.destination(name)
+        try:
+            current = dest.read_text()
+        except FileNotFoundError:
+            raise _preflight(f"{dest} is not installed", "run `b70ctl install`") from None
+        if current != files[name]:
+            raise _preflight(
+                f"{dest} differs from what {config.path} renders",
+                "run `b70ctl render --diff` to see how, then `b70ctl install`",
+            )
+    if sd.state(target.unit).load_state != "loaded":
+        raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
+    check_runtime_files(config, target)
+    check_port(sd, [rt.unit for rt in config.runtimes.values()], config.backend.port, "backend")
+    if sd.state(PROXY_UNIT).active_state != "active":
+        raise _preflight(
+            f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
+            f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
+        )
+    snap = gpu.snapshot(gpu.sysroot())
+    need = target.memory_needed_bytes
+    verdict = memgate.judge_switch(snap, config.gpu.device, need, container_pids(config))
+    if not verdict.ok:
+        raise ApplianceError(
+            f"{target.name} would not have enough GPU memory: {verdict.reason}",
+            hint="stop that process first; `b70ctl gpu` shows every holder",
+            code="gpu_memory_busy",
+        )
+    notes.append(f"GPU memory: {verdict.reason}")
+    return notes
+
+
+def container_pids(config: Config) -> set[int]:
+    """Processes of the appliance's containers: they live outside the b70 units' cgroups."""
+    pids: set[int] = set()
+    for rt in config.runtimes.values():
+        if rt.launcher is not Launcher.NATIVE:
+            cli = runtimes.container_cli(config, rt)
+            pid = health.container_pid(cli, runtimes.container_name(rt))
+            if pid:
+                pids |= health.process_tree(pid)
+    return pids
+
+
+def _preflight(message: str, hint: str) -> ApplianceError:
+    return ApplianceError(message, hint=hint, code="preflight_failed")
+
+
+def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
+    where = f"runtimes.{rt.name}"
+    if rt.launcher is Launcher.NATIVE:
+        exe = rt.command[0]
+        found = exe if os.path.isabs(exe) else shutil.which(exe)
+        if not found or not os.access(found, os.X_OK):
+            raise _preflight(
+                f"{where}.command: {exe} is not an executable file", "install it or fix the path"
+            )
+        for key, path in (("model", rt.model), ("mmproj", rt.mmproj)):
+            if (
+                path
+                and (os.path.isabs(path) or rt.engine is Engine.LLAMACPP)
+                and not os.path.exists(path)
+            ):
+                raise _preflight(
+                    f"{where}.{key}: {path} does not exist", "download it or fix the path"
+                )
+    else:
+        cli = runtimes.container_cli(config, rt)
+        out = run.run(
+            [cli, "image", "inspect", rt.image or ""],
+            timeout_s=30,
+            hint=f"install {rt.launcher}, or check that its daemon answers",
+            code="preflight_failed",
+        )
+        if out.returncode != 0:
+            raise _preflight(
+                f"{where}.image: {rt.image} is not present in {rt.launcher}",
+                f"pull it first: {cli} pull {rt.image}",
+            )

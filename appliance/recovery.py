@@ -1,0 +1,104 @@
+"""After a switch that was killed (SIGKILL, a crash: no cleanup ran): record it, and leave one
+runtime serving that is also the one enabled at boot."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from appliance import runtimes, state, systemd
+from appliance.config import Config
+from appliance.errors import ApplianceError
+from appliance.layout import Layout, layout
+from appliance.proxy import hold as hold_mark
+from appliance.units import (
+    POLL_S,
+    Progress,
+    enable_only,
+    no_progress,
+    serving_runtime,
+    wait_started,
+)
+
+
+def recover_killed(
+    config: Config,
+    lay: Layout,
+    sd: systemd.Systemd,
+    trace: dict[str, Any],
+    progress: Progress,
+    wait: bool,
+) -> str | None:
+    """After a switch that was killed (no cleanup ran): record it, and leave one runtime serving
+    that is also the one enabled at boot. Returns what was done, or None while systemd is still
+    finishing a job the killed switch started (then the trace stays for the next command).
+
+    1. A runtime unit still has a job pending: with `wait`, wait for it; else come back later.
+    2. One runtime serves: it becomes the one enabled at boot.
+    3. None serves: the one enabled at boot is started (the default runtime if none is).
+    """
+    units = {name: rt.unit for name, rt in config.runtimes.items()}
+    for rt in config.runtimes.values():
+        if not sd.state(rt.unit).job_pending:
+            continue
+        if not wait:
+            return None
+        progress("recovering", f"waiting for systemd to finish its job on {rt.unit}")
+        _wait_settled(sd, rt.unit, rt.start_timeout_s + runtimes.stop_timeouts(rt).unit_s + 30)
+    serving = serving_runtime(config, sd)
+    if serving is not None:
+        done = f"{serving} is serving; it is now the runtime enabled at boot"
+        enable_only(config, sd, serving)
+    else:
+        enabled = [n for n, u in sorted(units.items()) if sd.state(u).unit_file_state == "enabled"]
+        name = enabled[0] if enabled else config.default_runtime
+        rt = config.runtime(name)
+        progress("recovering", f"no runtime is serving: starting {rt.unit}")
+        sd.reset_failed(rt.unit)
+        sd.start(rt.unit)
+        enable_only(config, sd, name)
+        done = f"no runtime was serving; started {name}, the runtime enabled at boot"
+        if wait:
+            try:
+                wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+            except ApplianceError as e:
+                done += f", which failed: {e.message}"
+    (lay.state_dir / hold_mark.HOLD_FILE).unlink(missing_ok=True)
+    pid, phase = trace.get("pid"), trace.get("phase")
+    error = f"b70ctl switch (pid {pid}) was killed during {phase or 'its start-up'}; {done}"
+    record: dict[str, Any] = {
+        "at": time.time(),
+        "from": trace.get("previous"),
+        "to": trace.get("target"),
+        "ok": False,
+        "seconds": round(time.time() - float(trace.get("started_at") or time.time()), 3),
+        "phases": {},
+        "rolled_back": False,
+        "interrupted": True,
+        "error": error,
+    }
+    unrecorded = state.record_switch(lay.state_dir, record)
+    progress("recovered", error + (f" ({unrecorded})" if unrecorded else ""))
+    return done
+
+
+def _wait_settled(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sd.state(unit).job_pending and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+
+
+def recover_killed_switch(
+    config: Config, sd: systemd.Systemd, state_dir: Path
+) -> dict[str, Any] | None:
+    """Finds a switch that was killed and recovers from it without waiting (recover_killed):
+    what `status` and the monitor do first. Returns its trace while it cannot be recovered yet."""
+    with state.killed_switch(state_dir) as trace:
+        if trace is None:
+            return None
+        lay = layout(sd.scope)
+        if recover_killed(config, lay, sd, trace.info, no_progress, wait=False):
+            trace.clear_stale()
+            return None
+        return trace.info
