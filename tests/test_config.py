@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from appliance import config
 from appliance.cli import cli
 from appliance.config import Engine, Launcher
+from appliance.errors import ConfigError
 from tests.conftest import REPO, tree_snapshot
 
 GOOD = """
@@ -391,7 +392,7 @@ def test_a_config_that_is_not_utf8_names_the_byte(tmp_path: Path) -> None:
     path = tmp_path / "appliance.toml"
     path.write_bytes(GOOD.encode() + b"\n# caf\xe9\n")
     offset = len(GOOD.encode()) + len(b"\n# caf")
-    with pytest.raises(config.ConfigError) as e:
+    with pytest.raises(ConfigError) as e:
         config.load(path)
     assert (
         e.value.message

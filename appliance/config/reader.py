@@ -1,173 +1,56 @@
-"""The appliance configuration: one TOML file, loaded into frozen dataclasses and validated.
-
-Every error names the file, the key and what is wrong. Loading never writes anything.
-"""
+"""Reading a config file: TOML in, a checked Config out. Every error names the file, the
+dotted key (and list index) and what is wrong; reading never writes anything."""
 
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
 import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from appliance.config.model import (
+    DEFAULT_COMMAND,
+    DEFAULT_START_TIMEOUT_S,
+    GIB,
+    RESERVED_FLAGS,
+    BackendConfig,
+    Config,
+    Engine,
+    GpuConfig,
+    Launcher,
+    MonitorConfig,
+    ProxyConfig,
+    RuntimeConfig,
+    default_b70ctl,
+)
+from appliance.config.values import (
+    CONTROL_RE,
+    DAY_S,
+    HOUR_S,
+    MAX_MEMORY_GIB,
+    MIB,
+    NAME_RE,
+    RESERVED_NAMES,
+    check_executable,
+    check_host,
+    check_image,
+    check_listen_host,
+    check_model_name,
+    check_pci_address,
+    check_port,
+    check_range,
+    check_size,
+    check_user_name,
+    check_word,
+    hosts_overlap,
+    is_loopback,
+)
 from appliance.errors import ConfigError
-from appliance.layout import Scope, runtime_unit
-
-SYSTEM_CONFIG = Path("/etc/b70/appliance.toml")
-# A runtime name becomes a unit name (b70-NAME.service), a container name and a journal tag.
-NAME_RE = re.compile(r"^[a-z](?:[a-z0-9]|-(?=[a-z0-9])){0,31}$")
-# Names the appliance uses for its own units and files (b70-litellm.service, ...): a runtime
-# named so would replace them, and `b70ctl logs proxy` names the proxy.
-RESERVED_NAMES = frozenset({"litellm", "proxy", "monitor", "sysusers", "status", "socket"})
-# C0 control characters and DEL: a newline in a value would start a new line in a unit file.
-CONTROL_RE = re.compile(r"[\x00-\x1f\x7f]")
-# systemd reads these as prefixes of an Exec*= executable ("-" ignores failure, "+" runs it with
-# full privileges): a command never starts with one.
-EXEC_PREFIX_CHARS = "-@+!:|"
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
-MODEL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
-GIB = 1024**3
-
-
-class Engine(StrEnum):
-    VLLM = "vllm"
-    LLAMACPP = "llamacpp"
-
-
-class Launcher(StrEnum):
-    NATIVE = "native"
-    DOCKER = "docker"
-    PODMAN = "podman"
-
-
-# Flags the appliance sets itself from [proxy] and [backend]; a runtime's `args` may not set them.
-RESERVED_FLAGS: dict[Engine, frozenset[str]] = {
-    Engine.LLAMACPP: frozenset(
-        {"--host", "--port", "--model", "-m", "--alias", "-a", "--mmproj", "--metrics"}
-    ),
-    Engine.VLLM: frozenset(
-        {"--host", "--port", "--model", "--served-model-name", "--shutdown-timeout"}
-    ),
-}
-DEFAULT_COMMAND: dict[Engine, tuple[str, ...]] = {
-    Engine.LLAMACPP: ("llama-server",),
-    Engine.VLLM: ("vllm", "serve"),
-}
-DEFAULT_START_TIMEOUT_S: dict[Engine, float] = {Engine.LLAMACPP: 300.0, Engine.VLLM: 900.0}
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model: str = "b70"
-    aliases: tuple[str, ...] = ()
-    hold_s: float = 300.0  # how long a request waits at the proxy during a switch
-    drain_s: float = 60.0  # how long a switch waits for the old runtime's requests to finish
-    workers: int = 2  # one LiteLLM worker streams about 1300-1800 chunks/s on one core
-    max_body_bytes: int = 8 * 1024**2  # a request body larger than this is refused (413)
-    litellm: str | None = None  # the litellm executable; default: beside b70ctl
-
-
-@dataclass(frozen=True)
-class BackendConfig:
-    host: str = "127.0.0.1"
-    port: int = 8001
-
-
-@dataclass(frozen=True)
-class GpuConfig:
-    device: str = "auto"
-    memory_needed_bytes: int = 0
-    release_timeout_s: float = 120.0
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    host: str = "127.0.0.1"
-    port: int = 9101
-    interval_s: float = 5.0
-    health_timeout_s: float = 5.0
-    probe_completion: bool = True
-    probe_timeout_s: float = 30.0
-    hang_after: int = 3
-    restart_tries: int = 2
-    fallback: str | None = None
-
-
-@dataclass(frozen=True)
-class RuntimeConfig:
-    name: str
-    engine: Engine
-    launcher: Launcher
-    model: str
-    command: tuple[str, ...] = ()
-    image: str | None = None
-    mmproj: str | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    args: tuple[str, ...] = ()
-    devices: tuple[str, ...] = ()
-    volumes: tuple[str, ...] = ()
-    shm_size: str | None = None
-    user: str | None = None  # system scope: run as this user, with the render group and CAP_PERFMON
-    start_timeout_s: float = 300.0
-    stop_timeout_s: float = 30.0
-    restart_burst: int = 3
-    memory_needed_bytes: int = 0
-
-    @property
-    def unit(self) -> str:
-        return runtime_unit(self.name)
-
-
-@dataclass(frozen=True)
-class Config:
-    path: Path
-    default_runtime: str
-    proxy: ProxyConfig
-    backend: BackendConfig
-    gpu: GpuConfig
-    runtimes: Mapping[str, RuntimeConfig]
-    b70ctl: str
-    monitor: MonitorConfig = MonitorConfig()
-    docker: str = "/usr/bin/docker"
-    podman: str = "/usr/bin/podman"
-    # The file's text as it was validated: install keeps exactly this, not a later copy.
-    text: str = field(default="", repr=False, compare=False)
-
-    def runtime(self, name: str) -> RuntimeConfig:
-        try:
-            return self.runtimes[name]
-        except KeyError:
-            known = ", ".join(sorted(self.runtimes))
-            raise ConfigError(
-                f"{self.path}: there is no runtime named {name!r}",
-                hint=f"configured runtimes: {known}",
-            ) from None
-
-
-def default_config_path(scope: Scope) -> Path:
-    env = os.environ.get("B70_CONFIG")
-    if env:
-        return Path(env)
-    if scope is Scope.USER:
-        base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
-        return Path(base) / "b70" / "appliance.toml"
-    return SYSTEM_CONFIG
-
-
-def default_b70ctl() -> str:
-    import sys
-
-    return str(Path(sys.executable).parent / "b70ctl")
 
 
 def load(path: Path) -> Config:
@@ -383,25 +266,26 @@ class _Reader:
             "max_body_mib",
         }
         self.known(t, p, allowed)
-        model = self.get(t, "model", p, str, "b70", _model_name)
+        model = self.get(t, "model", p, str, "b70", check_model_name)
         aliases = self.strings(t, "aliases", p)
         for alias in aliases:
-            if (problem := _model_name(alias)) or alias == model:
+            if (problem := check_model_name(alias)) or alias == model:
                 raise self.fail(p + "aliases", f"{alias!r}: {problem or 'repeats proxy.model'}")
         litellm = self.path_value(t, "litellm", p, "/") if "litellm" in t else None
         return ProxyConfig(
-            host=self.get(t, "host", p, str, "127.0.0.1", _listen_host),
-            port=self.get(t, "port", p, int, 8000, _port),
+            host=self.get(t, "host", p, str, "127.0.0.1", check_listen_host),
+            port=self.get(t, "port", p, int, 8000, check_port),
             model=model,
             aliases=aliases,
-            hold_s=self.get(t, "hold_s", p, float, 300.0, _range(0, HOUR_S, low_open=True)),
-            drain_s=self.get(t, "drain_s", p, float, 60.0, _range(0, HOUR_S)),
+            hold_s=self.get(t, "hold_s", p, float, 300.0, check_range(0, HOUR_S, low_open=True)),
+            drain_s=self.get(t, "drain_s", p, float, 60.0, check_range(0, HOUR_S)),
             workers=self.get(t, "workers", p, int, 2, lambda v: None if 1 <= v <= 64 else "1-64"),
             litellm=litellm,
             # 8 MiB holds a whole 131072-token context as text several times over, and a few
             # images as data URLs.
             max_body_bytes=int(
-                self.get(t, "max_body_mib", p, float, 8.0, _range(0, 1024, low_open=True)) * MIB
+                self.get(t, "max_body_mib", p, float, 8.0, check_range(0, 1024, low_open=True))
+                * MIB
             ),
         )
 
@@ -423,25 +307,27 @@ class _Reader:
         if fallback is not None and fallback not in names:
             raise self.fail(p + "fallback", f"{fallback!r} is not a configured runtime")
         return MonitorConfig(
-            host=self.get(t, "host", p, str, "127.0.0.1", _host),
-            port=self.get(t, "port", p, int, 9101, _port),
-            interval_s=self.get(t, "interval_s", p, float, 5.0, _range(0, HOUR_S, low_open=True)),
+            host=self.get(t, "host", p, str, "127.0.0.1", check_host),
+            port=self.get(t, "port", p, int, 9101, check_port),
+            interval_s=self.get(
+                t, "interval_s", p, float, 5.0, check_range(0, HOUR_S, low_open=True)
+            ),
             health_timeout_s=self.get(
-                t, "health_timeout_s", p, float, 5.0, _range(0, 600, low_open=True)
+                t, "health_timeout_s", p, float, 5.0, check_range(0, 600, low_open=True)
             ),
             probe_completion=self.get(t, "probe_completion", p, bool, True),
             probe_timeout_s=self.get(
-                t, "probe_timeout_s", p, float, 30.0, _range(0, HOUR_S, low_open=True)
+                t, "probe_timeout_s", p, float, 30.0, check_range(0, HOUR_S, low_open=True)
             ),
-            hang_after=self.get(t, "hang_after", p, int, 3, _range(1, 1000)),
-            restart_tries=self.get(t, "restart_tries", p, int, 2, _range(0, 100)),
+            hang_after=self.get(t, "hang_after", p, int, 3, check_range(1, 1000)),
+            restart_tries=self.get(t, "restart_tries", p, int, 2, check_range(0, 100)),
             fallback=fallback,
         )
 
     def backend(self, t: Mapping[str, Any]) -> BackendConfig:
         p = "backend."
         self.known(t, p, {"host", "port"})
-        host = self.get(t, "host", p, str, "127.0.0.1", _host)
+        host = self.get(t, "host", p, str, "127.0.0.1", check_host)
         if not is_loopback(host):
             raise self.fail(
                 p + "host",
@@ -449,17 +335,17 @@ class _Reader:
                 "runtimes answer without a key: only the proxy faces the network; "
                 "use 127.0.0.1, ::1 or localhost",
             )
-        return BackendConfig(host=host, port=self.get(t, "port", p, int, 8001, _port))
+        return BackendConfig(host=host, port=self.get(t, "port", p, int, 8001, check_port))
 
     def gpu(self, t: Mapping[str, Any]) -> GpuConfig:
         p = "gpu."
         self.known(t, p, {"device", "memory_needed_gib", "release_timeout_s"})
-        needed = self.get(t, "memory_needed_gib", p, float, 0.0, _range(0, MAX_MEMORY_GIB))
+        needed = self.get(t, "memory_needed_gib", p, float, 0.0, check_range(0, MAX_MEMORY_GIB))
         return GpuConfig(
-            device=self.get(t, "device", p, str, "auto", _pci_address),
+            device=self.get(t, "device", p, str, "auto", check_pci_address),
             memory_needed_bytes=int(needed * GIB),
             release_timeout_s=self.get(
-                t, "release_timeout_s", p, float, 120.0, _range(0, HOUR_S, low_open=True)
+                t, "release_timeout_s", p, float, 120.0, check_range(0, HOUR_S, low_open=True)
             ),
         )
 
@@ -516,7 +402,7 @@ class _Reader:
             if not isinstance(value, str):
                 raise self.fail(p + "env." + key, f"must be a string, not {_kind(value)}")
         command = tuple(os.path.expanduser(c) for c in self.strings(t, "command", p))
-        image = self.get(t, "image", p, str, "", _image) or None
+        image = self.get(t, "image", p, str, "", check_image) or None
         if launcher is Launcher.NATIVE:
             if image:
                 raise self.fail(p + "image", "only container launchers use an image")
@@ -526,14 +412,16 @@ class _Reader:
                 raise self.fail(p + "image", f"missing: the {launcher} launcher runs an image")
             if command:
                 raise self.fail(p + "command", "container launchers run the image's entrypoint")
-        mmproj = self.get(t, "mmproj", p, str, "", _word) or None
+        mmproj = self.get(t, "mmproj", p, str, "", check_word) or None
         if mmproj and engine is not Engine.LLAMACPP:
             raise self.fail(p + "mmproj", "only the llamacpp engine takes a vision projector")
-        if command and (problem := _executable(command[0])):
+        if command and (problem := check_executable(command[0])):
             raise self.fail(p + "command[0]", problem)
-        model = os.path.expanduser(self.get(t, "model", p, str, None, _word))
+        model = os.path.expanduser(self.get(t, "model", p, str, None, check_word))
         start_default = DEFAULT_START_TIMEOUT_S[engine]
-        needed_gib = self.get(t, "memory_needed_gib", p, float, -1.0, _range(0, MAX_MEMORY_GIB))
+        needed_gib = self.get(
+            t, "memory_needed_gib", p, float, -1.0, check_range(0, MAX_MEMORY_GIB)
+        )
         return RuntimeConfig(
             name=name,
             engine=engine,
@@ -548,13 +436,13 @@ class _Reader:
                 t, "devices", p, "/dev/dri or /dev/dri/renderD128:/dev/dri/renderD128"
             ),
             volumes=self.paths(t, "volumes", p, "/srv/models:/models:ro"),
-            shm_size=self.get(t, "shm_size", p, str, "", _size) or None,
-            user=self.get(t, "user", p, str, "", _user_name) or None,
+            shm_size=self.get(t, "shm_size", p, str, "", check_size) or None,
+            user=self.get(t, "user", p, str, "", check_user_name) or None,
             start_timeout_s=self.get(
-                t, "start_timeout_s", p, float, start_default, _range(1, DAY_S)
+                t, "start_timeout_s", p, float, start_default, check_range(1, DAY_S)
             ),
-            stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, _range(1, HOUR_S)),
-            restart_burst=self.get(t, "restart_burst", p, int, 3, _range(1, 100)),
+            stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, check_range(1, HOUR_S)),
+            restart_burst=self.get(t, "restart_burst", p, int, 3, check_range(1, 100)),
             # [gpu] memory_needed_gib is the default for every runtime
             memory_needed_bytes=(
                 int(needed_gib * GIB) if needed_gib >= 0 else gpu.memory_needed_bytes
@@ -581,140 +469,3 @@ def _kind(value: object) -> str:
 def _article(kind: type) -> str:
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
     return names.get(kind, kind.__name__)
-
-
-def _port(value: int) -> str | None:
-    return None if 1 <= value <= 65535 else f"{value} is not a TCP port (1-65535)"
-
-
-MIB = 1024**2
-HOUR_S = 3600
-DAY_S = 86400
-MAX_MEMORY_GIB = 1024
-
-
-def _range(low: float, high: float, low_open: bool = False) -> Callable[[float], str | None]:
-    """A check that a number lies in [low, high], or (low, high] with low_open."""
-
-    def check(value: float) -> str | None:
-        if value < low or (low_open and value == low):
-            if low == 0:
-                return (
-                    f"{value} must be greater than 0"
-                    if low_open
-                    else (f"{value} must not be negative")
-                )
-            return f"{value} must be at least {low:g}"
-        if value > high:
-            return f"{value} must be at most {high:g}"
-        return None
-
-    return check
-
-
-def _word(value: str) -> str | None:
-    """A value that follows a flag: not empty, and not itself read as a flag."""
-    if not value.strip():
-        return "must not be empty"
-    if value.startswith("-"):
-        return f"{value!r} starts with '-', so the runtime would read it as a flag"
-    return None
-
-
-def _executable(value: str) -> str | None:
-    if value.startswith("/") or re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", value):
-        return None
-    if value[:1] in EXEC_PREFIX_CHARS:
-        return f"{value!r} starts with {value[0]!r}, which systemd reads as a prefix"
-    return f"{value!r} must be an absolute path or a bare command name"
-
-
-def _image(value: str) -> str | None:
-    if re.fullmatch(r"[a-z0-9][A-Za-z0-9._/:@-]*", value):
-        return None
-    return f"{value!r} is not a container image reference such as registry/name:tag"
-
-
-def _size(value: str) -> str | None:
-    if re.fullmatch(r"[0-9]+[bkmgBKMG]?", value):
-        return None
-    return f"{value!r} is not a size such as 8g"
-
-
-_HOSTNAME_RE = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(?:\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*")
-
-
-def _host(value: str) -> str | None:
-    try:
-        ipaddress.ip_address(value)
-        return None
-    except ValueError:
-        pass
-    if len(value) <= 253 and _HOSTNAME_RE.fullmatch(value):
-        return None
-    if value.startswith("[") or value.count(":") == 1:
-        return (
-            f"{value!r} is not a host name or IP address: give the port as port = N, "
-            "and an IPv6 address without brackets"
-        )
-    return f"{value!r} is not a host name or IP address"
-
-
-def _listen_host(value: str) -> str | None:
-    """The proxy's address: systemd binds it (ListenStream=), and takes no host names there."""
-    if (problem := _host(value)) or value.lower() in LOOPBACK_NAMES:
-        return problem
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        return (
-            f"{value!r} is a host name; the proxy listens on an IP address: "
-            "0.0.0.0 (or ::) for every interface, or the address of one"
-        )
-    return None
-
-
-def is_loopback(host: str) -> bool:
-    if host.lower() in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _address_key(host: str) -> str:
-    """What a listener's host binds: '*' for every address, one key for all of loopback."""
-    if host in WILDCARD_HOSTS:
-        return "*"
-    if is_loopback(host):
-        return "loopback"
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        return host.lower()
-    return "*" if ip.is_unspecified else str(ip)
-
-
-def hosts_overlap(a: str, b: str) -> bool:
-    """Whether listeners on these two hosts and one port would clash."""
-    key_a, key_b = _address_key(a), _address_key(b)
-    return "*" in (key_a, key_b) or key_a == key_b
-
-
-def _model_name(value: str) -> str | None:
-    if MODEL_NAME_RE.fullmatch(value):
-        return None
-    return f"{value!r} is not a model name (letters, digits and . _ : / -)"
-
-
-def _user_name(value: str) -> str | None:
-    if re.fullmatch(r"[a-z_][a-z0-9_-]{0,30}", value) and value != "root":
-        return None
-    return f"{value!r} is not a system user name (a-z, 0-9, _ and -; not root)"
-
-
-def _pci_address(value: str) -> str | None:
-    if value == "auto" or re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", value):
-        return None
-    return f"{value!r} is neither 'auto' nor a PCI address such as 0000:03:00.0"

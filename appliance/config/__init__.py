@@ -1,0 +1,49 @@
+"""The appliance configuration: one TOML file, read into frozen dataclasses and checked whole.
+
+model.py holds the dataclasses, values.py the checks of single values, reader.py the reading.
+"""
+
+from appliance.config.model import (
+    DEFAULT_COMMAND,
+    DEFAULT_START_TIMEOUT_S,
+    GIB,
+    RESERVED_FLAGS,
+    SYSTEM_CONFIG,
+    BackendConfig,
+    Config,
+    Engine,
+    GpuConfig,
+    Launcher,
+    MonitorConfig,
+    ProxyConfig,
+    RuntimeConfig,
+    default_b70ctl,
+    default_config_path,
+)
+from appliance.config.reader import load, parse
+from appliance.config.values import LOOPBACK_NAMES, hosts_overlap, is_loopback
+from appliance.layout import Scope
+
+__all__ = [
+    "DEFAULT_COMMAND",
+    "DEFAULT_START_TIMEOUT_S",
+    "GIB",
+    "LOOPBACK_NAMES",
+    "RESERVED_FLAGS",
+    "SYSTEM_CONFIG",
+    "BackendConfig",
+    "Config",
+    "Engine",
+    "GpuConfig",
+    "Launcher",
+    "MonitorConfig",
+    "ProxyConfig",
+    "RuntimeConfig",
+    "Scope",
+    "default_b70ctl",
+    "default_config_path",
+    "hosts_overlap",
+    "is_loopback",
+    "load",
+    "parse",
+]

@@ -1,0 +1,148 @@
+"""The appliance's configuration as frozen dataclasses: what config.reader makes of a file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from appliance.errors import ConfigError
+from appliance.layout import Scope, runtime_unit
+
+SYSTEM_CONFIG = Path("/etc/b70/appliance.toml")
+GIB = 1024**3
+
+
+class Engine(StrEnum):
+    VLLM = "vllm"
+    LLAMACPP = "llamacpp"
+
+
+class Launcher(StrEnum):
+    NATIVE = "native"
+    DOCKER = "docker"
+    PODMAN = "podman"
+
+
+# Flags the appliance sets itself from [proxy] and [backend]; a runtime's `args` may not set them.
+RESERVED_FLAGS: dict[Engine, frozenset[str]] = {
+    Engine.LLAMACPP: frozenset(
+        {"--host", "--port", "--model", "-m", "--alias", "-a", "--mmproj", "--metrics"}
+    ),
+    Engine.VLLM: frozenset(
+        {"--host", "--port", "--model", "--served-model-name", "--shutdown-timeout"}
+    ),
+}
+DEFAULT_COMMAND: dict[Engine, tuple[str, ...]] = {
+    Engine.LLAMACPP: ("llama-server",),
+    Engine.VLLM: ("vllm", "serve"),
+}
+DEFAULT_START_TIMEOUT_S: dict[Engine, float] = {Engine.LLAMACPP: 300.0, Engine.VLLM: 900.0}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str = "b70"
+    aliases: tuple[str, ...] = ()
+    hold_s: float = 300.0  # how long a request waits at the proxy during a switch
+    drain_s: float = 60.0  # how long a switch waits for the old runtime's requests to finish
+    workers: int = 2  # one LiteLLM worker streams about 1300-1800 chunks/s on one core
+    max_body_bytes: int = 8 * 1024**2  # a request body larger than this is refused (413)
+    litellm: str | None = None  # the litellm executable; default: beside b70ctl
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8001
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    device: str = "auto"
+    memory_needed_bytes: int = 0
+    release_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    host: str = "127.0.0.1"
+    port: int = 9101
+    interval_s: float = 5.0
+    health_timeout_s: float = 5.0
+    probe_completion: bool = True
+    probe_timeout_s: float = 30.0
+    hang_after: int = 3
+    restart_tries: int = 2
+    fallback: str | None = None
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    name: str
+    engine: Engine
+    launcher: Launcher
+    model: str
+    command: tuple[str, ...] = ()
+    image: str | None = None
+    mmproj: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    args: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    volumes: tuple[str, ...] = ()
+    shm_size: str | None = None
+    user: str | None = None  # system scope: run as this user, with the render group and CAP_PERFMON
+    start_timeout_s: float = 300.0
+    stop_timeout_s: float = 30.0
+    restart_burst: int = 3
+    memory_needed_bytes: int = 0
+
+    @property
+    def unit(self) -> str:
+        return runtime_unit(self.name)
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    default_runtime: str
+    proxy: ProxyConfig
+    backend: BackendConfig
+    gpu: GpuConfig
+    runtimes: Mapping[str, RuntimeConfig]
+    b70ctl: str
+    monitor: MonitorConfig = MonitorConfig()
+    docker: str = "/usr/bin/docker"
+    podman: str = "/usr/bin/podman"
+    # The file's text as it was validated: install keeps exactly this, not a later copy.
+    text: str = field(default="", repr=False, compare=False)
+
+    def runtime(self, name: str) -> RuntimeConfig:
+        try:
+            return self.runtimes[name]
+        except KeyError:
+            known = ", ".join(sorted(self.runtimes))
+            raise ConfigError(
+                f"{self.path}: there is no runtime named {name!r}",
+                hint=f"configured runtimes: {known}",
+            ) from None
+
+
+def default_config_path(scope: Scope) -> Path:
+    env = os.environ.get("B70_CONFIG")
+    if env:
+        return Path(env)
+    if scope is Scope.USER:
+        base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        return Path(base) / "b70" / "appliance.toml"
+    return SYSTEM_CONFIG
+
+
+def default_b70ctl() -> str:
+    import sys
+
+    return str(Path(sys.executable).parent / "b70ctl")
