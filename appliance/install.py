@@ -173,111 +173,146 @@ class InstallResult:
     notes: list[str] = field(default_factory=list)
     config: ConfigChange | None = None
     removed: list[str] = field(default_factory=list)
+    boot_runtime: str = ""  # the runtime enabled at boot, started if none runs
 
 
 def install(
     config: Config, scope: Scope, now: bool, progress: Progress = no_progress
 ) -> InstallResult:
+    """Verify, write, reload, enable; with `now`, start what should run."""
     lay = layout(scope)
     files = render_all(config, lay)
     verify_units(files, scope)  # before anything is written
     changed = changed_files(files, lay)
-    runtime_units = [rt.unit for rt in config.runtimes.values()]
     with systemd.connect(scope) as sd:
         if now:  # what would keep the units from starting, before anything is written
             if sd.state(PROXY_SOCKET).active_state != "active":  # else systemd holds it for us
                 check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
+            runtime_units = [rt.unit for rt in config.runtimes.values()]
             check_port(sd, runtime_units, config.backend.port, "backend")
-        key_created = ensure_key(lay)
-        lay.state_dir.mkdir(parents=True, exist_ok=True)
-        dropped = dropped_units(files, lay)
-        for unit in dropped:  # before the new units start: they may share its port and GPU
-            progress("removing", f"{unit} (not in the config any more)")
-            sd.stop(unit)
-            wait_stopped(sd, unit, 300)
-        if dropped:
-            sd.disable(dropped)
-            for unit in dropped:
-                lay.destination(unit).unlink(missing_ok=True)
-                sd.reset_failed(unit)
-        for name, text in changed.items():
-            write_atomic(lay.destination(name), text)
-        config_change = install_config(config, lay)
-        if SYSUSERS in changed:
-            create_users(lay.destination(SYSUSERS))
-        sd.reload()
-        enabled_runtime = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
-        to_enable = [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT] + (
-            [] if enabled_runtime else [config.runtime(config.default_runtime).unit]
-        )
-        sd.enable(to_enable)
-        result = InstallResult(
-            scope=scope.value,
-            written=[str(lay.destination(n)) for n in changed],
-            unchanged=[str(lay.destination(n)) for n in files if n not in changed],
-            key_created=key_created,
-            enabled=to_enable,
-            started=[],
-            config=config_change,
-            removed=[str(lay.destination(u)) for u in dropped],
-        )
-        if not now:
-            return result
-        proxy_changed = PROXY_UNIT in changed or PROXY_CONFIG in changed
-        proxy_state = sd.state(PROXY_UNIT)
-        if PROXY_SOCKET in changed and sd.state(PROXY_SOCKET).active_state == "active":
-            # A new address: the socket is bound again. Stopping it stops the proxy (Requires=),
-            # which is then started below, with the new socket.
-            progress("restarting", PROXY_SOCKET)
-            sd.stop(PROXY_SOCKET)
-            for unit in (PROXY_UNIT, PROXY_SOCKET):
-                wait_stopped(sd, unit, 120)
-            sd.start(PROXY_SOCKET)
-            proxy_state = sd.state(PROXY_UNIT)
-        if proxy_state.active_state == "active" and proxy_changed:
-            progress("restarting", PROXY_UNIT)
-            sd.manager.RestartUnit(PROXY_UNIT.encode(), b"replace")
-            wait_started(sd, PROXY_UNIT, 180, progress)
-            result.started.append(PROXY_UNIT)
-        elif proxy_state.active_state != "active":
-            progress("starting", PROXY_UNIT)
-            sd.reset_failed(PROXY_UNIT)
-            sd.start(PROXY_UNIT)
-            wait_started(sd, PROXY_UNIT, 180, progress)
-            result.started.append(PROXY_UNIT)
-        monitor_state = sd.state(MONITOR_UNIT)
-        if monitor_state.active_state == "active" and (MONITOR_UNIT in changed or config_change):
-            sd.manager.RestartUnit(MONITOR_UNIT.encode(), b"replace")
-            result.started.append(MONITOR_UNIT)
-        elif monitor_state.active_state != "active":
-            sd.reset_failed(MONITOR_UNIT)
-            sd.start(MONITOR_UNIT)
-            result.started.append(MONITOR_UNIT)
-        active = active_runtimes(config, sd)
-        if not active:
-            enabled = runtime_of(enabled_runtime[0]) if enabled_runtime else None
-            name = enabled or config.default_runtime
-            rt = config.runtime(name)
-            progress("starting", rt.unit)
-            sd.reset_failed(rt.unit)
-            sd.start(rt.unit)
-            try:
-                wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
-            except ApplianceError as e:
-                sd.stop(rt.unit)  # do not leave it retrying in the background
-                journal = " ".join(systemd.journal_command(scope, rt.unit, 50))
-                e.message = f"installed, but {e.message}"
-                e.hint = f"see why: {journal}; then `b70ctl switch {name}`"
-                raise
-            result.started.append(rt.unit)
-        else:
-            for name in active:
-                unit = config.runtime(name).unit
-                if unit in changed:
-                    result.notes.append(
-                        f"{unit} changed while it runs; `b70ctl switch {name} --restart` applies it"
-                    )
+        result = _write(config, lay, sd, files, changed, progress)
+        if now:
+            _start_proxy(sd, changed, result, progress)
+            _start_monitor(sd, MONITOR_UNIT in changed or result.config is not None, result)
+            _start_runtime(config, sd, changed, result, progress)
         return result
+
+
+def _write(
+    config: Config,
+    lay: Layout,
+    sd: systemd.Systemd,
+    files: dict[str, str],
+    changed: dict[str, str],
+    progress: Progress,
+) -> InstallResult:
+    """The files written, the runtimes taken out of the config removed, the units enabled."""
+    key_created = ensure_key(lay)
+    lay.state_dir.mkdir(parents=True, exist_ok=True)
+    dropped = dropped_units(files, lay)
+    for unit in dropped:  # before the new units start: they may share its port and GPU
+        progress("removing", f"{unit} (not in the config any more)")
+        sd.stop(unit)
+        wait_stopped(sd, unit, 300)
+    if dropped:
+        sd.disable(dropped)
+        for unit in dropped:
+            lay.destination(unit).unlink(missing_ok=True)
+            sd.reset_failed(unit)
+    for name, text in changed.items():
+        write_atomic(lay.destination(name), text)
+    config_change = install_config(config, lay)
+    if SYSUSERS in changed:
+        create_users(lay.destination(SYSUSERS))
+    sd.reload()
+    runtime_units = [rt.unit for rt in config.runtimes.values()]
+    enabled = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
+    to_enable = [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
+    to_enable += [] if enabled else [config.runtime(config.default_runtime).unit]
+    sd.enable(to_enable)
+    return InstallResult(
+        scope=lay.scope.value,
+        written=[str(lay.destination(n)) for n in changed],
+        unchanged=[str(lay.destination(n)) for n in files if n not in changed],
+        key_created=key_created,
+        enabled=to_enable,
+        started=[],
+        config=config_change,
+        removed=[str(lay.destination(u)) for u in dropped],
+        boot_runtime=(runtime_of(enabled[0]) if enabled else None) or config.default_runtime,
+    )
+
+
+def _start_proxy(
+    sd: systemd.Systemd, changed: dict[str, str], result: InstallResult, progress: Progress
+) -> None:
+    """The proxy started, or restarted when what it runs changed."""
+    proxy_changed = PROXY_UNIT in changed or PROXY_CONFIG in changed
+    if PROXY_SOCKET in changed and sd.state(PROXY_SOCKET).active_state == "active":
+        # A new address: the socket is bound again. Stopping it stops the proxy (Requires=),
+        # which is then started below, with the new socket.
+        progress("restarting", PROXY_SOCKET)
+        sd.stop(PROXY_SOCKET)
+        for unit in (PROXY_UNIT, PROXY_SOCKET):
+            wait_stopped(sd, unit, 120)
+        sd.start(PROXY_SOCKET)
+    active = sd.state(PROXY_UNIT).active_state == "active"
+    if active and not proxy_changed:
+        return
+    progress("restarting" if active else "starting", PROXY_UNIT)
+    if active:
+        sd.restart(PROXY_UNIT)
+    else:
+        sd.reset_failed(PROXY_UNIT)
+        sd.start(PROXY_UNIT)
+    wait_started(sd, PROXY_UNIT, 180, progress)
+    result.started.append(PROXY_UNIT)
+
+
+def _start_monitor(sd: systemd.Systemd, changed: bool, result: InstallResult) -> None:
+    """The monitor started, or restarted when its unit or the config changed."""
+    active = sd.state(MONITOR_UNIT).active_state == "active"
+    if active and not changed:
+        return
+    if active:
+        sd.restart(MONITOR_UNIT)
+    else:
+        sd.reset_failed(MONITOR_UNIT)
+        sd.start(MONITOR_UNIT)
+    result.started.append(MONITOR_UNIT)
+
+
+def _start_runtime(
+    config: Config,
+    sd: systemd.Systemd,
+    changed: dict[str, str],
+    result: InstallResult,
+    progress: Progress,
+) -> None:
+    """The runtime enabled at boot started if none runs; a running one that changed is left
+    running, with a note on how to apply the change."""
+    active = active_runtimes(config, sd)
+    for name in active:
+        unit = config.runtime(name).unit
+        if unit in changed:
+            result.notes.append(
+                f"{unit} changed while it runs; `b70ctl switch {name} --restart` applies it"
+            )
+    if active:
+        return
+    rt = config.runtime(result.boot_runtime)
+    progress("starting", rt.unit)
+    sd.reset_failed(rt.unit)
+    sd.start(rt.unit)
+    try:
+        wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+    except ApplianceError as e:
+        sd.stop(rt.unit)  # do not leave it retrying in the background
+        journal = " ".join(systemd.journal_command(sd.scope, rt.unit, 50))
+        e.message = f"installed, but {e.message}"
+        e.hint = f"see why: {journal}; then `b70ctl switch {rt.name}`"
+        raise
+    result.started.append(rt.unit)
 
 
 def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:

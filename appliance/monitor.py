@@ -22,6 +22,7 @@ import httpx
 
 from appliance import gpu, health, runtimes, systemd
 from appliance.config import Config
+from appliance.errors import ApplianceError
 from appliance.files import write_atomic
 from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Scope, layout
 from appliance.plans import Action, Memory, Observation, judge
@@ -113,11 +114,13 @@ def act(
     log(f"{action.kind} {action.runtime}: {action.reason}")
     if action.kind == "restart":
         m.restarts_by_monitor += 1
-        unit = config.runtime(action.runtime).unit
-        sd.manager.RestartUnit(unit.encode(), b"replace")
+        try:
+            sd.restart(config.runtime(action.runtime).unit)
+        except ApplianceError as e:  # systemd refused: say so, and judge again next sample
+            m.last_action["result"] = f"restart failed: {e.message}"
+            log(f"restart of {action.runtime} failed: {e.message}")
         return
     from appliance import switching
-    from appliance.errors import ApplianceError
 
     m.failovers += 1
     try:

@@ -97,9 +97,11 @@ class Systemd:
         service = unit.Service if is_service else None
         load_state = _text(props.LoadState)
         invocation = props.InvocationID
+        from pystemd.dbusexc import DBusFileNotFoundError, DBusNoSuchUnitError
+
         try:
             file_state = _text(self.manager.GetUnitFileState(name.encode()))
-        except Exception:
+        except (DBusFileNotFoundError, DBusNoSuchUnitError):  # no unit file: nothing to enable
             file_state = None
         main_pid = int(service.MainPID) if service is not None else 0
         return UnitState(
@@ -119,6 +121,9 @@ class Systemd:
 
     def start(self, name: str, mode: str = "replace") -> None:
         self._call("start", name, lambda: self.manager.StartUnit(name.encode(), mode.encode()))
+
+    def restart(self, name: str, mode: str = "replace") -> None:
+        self._call("restart", name, lambda: self.manager.RestartUnit(name.encode(), mode.encode()))
 
     def stop(self, name: str, mode: str = "replace") -> None:
         self._call("stop", name, lambda: self.manager.StopUnit(name.encode(), mode.encode()))
