@@ -349,8 +349,7 @@ class _Reader:
             ),
         )
 
-    def runtime(self, name: str, t: Mapping[str, Any], gpu: GpuConfig) -> RuntimeConfig:
-        p = f"runtimes.{name}."
+    def runtime_name(self, name: str) -> None:
         if not NAME_RE.fullmatch(name):
             raise self.fail(
                 f"runtimes.{name}",
@@ -364,6 +363,10 @@ class _Reader:
                 f"{name!r} is a name the appliance uses for its own units",
                 "reserved: " + ", ".join(sorted(RESERVED_NAMES)),
             )
+
+    def runtime(self, name: str, t: Mapping[str, Any], gpu: GpuConfig) -> RuntimeConfig:
+        p = f"runtimes.{name}."
+        self.runtime_name(name)
         allowed = {
             "engine",
             "launcher",
@@ -385,33 +388,9 @@ class _Reader:
         self.known(t, p, allowed)
         engine = self.choice(t, "engine", p, Engine, None)
         launcher = self.choice(t, "launcher", p, Launcher, Launcher.NATIVE)
-        args = self.strings(t, "args", p)
-        for arg in args:
-            flag = arg.split("=", 1)[0]
-            if flag in RESERVED_FLAGS[engine]:
-                raise self.fail(
-                    p + "args",
-                    f"sets {flag}, which the appliance sets itself",
-                    "the port and host come from [backend], the model name from [proxy], "
-                    "the model from runtimes.NAME.model",
-                )
-        env_table = self.table(t, "env", p)
-        for key, value in env_table.items():
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-                raise self.fail(p + "env." + key, "not a valid environment variable name")
-            if not isinstance(value, str):
-                raise self.fail(p + "env." + key, f"must be a string, not {_kind(value)}")
-        command = tuple(os.path.expanduser(c) for c in self.strings(t, "command", p))
-        image = self.get(t, "image", p, str, "", check_image) or None
-        if launcher is Launcher.NATIVE:
-            if image:
-                raise self.fail(p + "image", "only container launchers use an image")
-            command = command or DEFAULT_COMMAND[engine]
-        else:
-            if not image:
-                raise self.fail(p + "image", f"missing: the {launcher} launcher runs an image")
-            if command:
-                raise self.fail(p + "command", "container launchers run the image's entrypoint")
+        args = self.runtime_args(t, p, engine)
+        env_table = self.runtime_env(t, p)
+        command, image = self.command_or_image(t, p, engine, launcher)
         mmproj = self.get(t, "mmproj", p, str, "", check_word) or None
         if mmproj and engine is not Engine.LLAMACPP:
             raise self.fail(p + "mmproj", "only the llamacpp engine takes a vision projector")
@@ -448,6 +427,44 @@ class _Reader:
                 int(needed_gib * GIB) if needed_gib >= 0 else gpu.memory_needed_bytes
             ),
         )
+
+    def runtime_args(self, t: Mapping[str, Any], p: str, engine: Engine) -> tuple[str, ...]:
+        args = self.strings(t, "args", p)
+        for arg in args:
+            flag = arg.split("=", 1)[0]
+            if flag in RESERVED_FLAGS[engine]:
+                raise self.fail(
+                    p + "args",
+                    f"sets {flag}, which the appliance sets itself",
+                    "the port and host come from [backend], the model name from [proxy], "
+                    "the model from runtimes.NAME.model",
+                )
+        return args
+
+    def runtime_env(self, t: Mapping[str, Any], p: str) -> Mapping[str, Any]:
+        env_table = self.table(t, "env", p)
+        for key, value in env_table.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise self.fail(p + "env." + key, "not a valid environment variable name")
+            if not isinstance(value, str):
+                raise self.fail(p + "env." + key, f"must be a string, not {_kind(value)}")
+        return env_table
+
+    def command_or_image(
+        self, t: Mapping[str, Any], p: str, engine: Engine, launcher: Launcher
+    ) -> tuple[tuple[str, ...], str | None]:
+        """A native runtime's command (the engine's own by default), or a container's image."""
+        command = tuple(os.path.expanduser(c) for c in self.strings(t, "command", p))
+        image = self.get(t, "image", p, str, "", check_image) or None
+        if launcher is Launcher.NATIVE:
+            if image:
+                raise self.fail(p + "image", "only container launchers use an image")
+            return command or DEFAULT_COMMAND[engine], None
+        if not image:
+            raise self.fail(p + "image", f"missing: the {launcher} launcher runs an image")
+        if command:
+            raise self.fail(p + "command", "container launchers run the image's entrypoint")
+        return command, image
 
     def choice(
         self, t: Mapping[str, Any], key: str, prefix: str, enum: type[StrEnum], default: Any
