@@ -65,6 +65,12 @@ class Exporter(Collector):
         s = self.snapshot
         if not s:
             return
+        yield from self._runtimes(s)
+        yield from self._switches(s)
+        yield from self._requests(s)
+        yield from self._vram(s)
+
+    def _runtimes(self, s: dict[str, Any]) -> Iterator[Any]:
         o, m = s["o"], s["m"]
         active = GaugeMetricFamily(
             "b70_active_runtime", "1 for the runtime that serves", labels=["runtime"]
@@ -96,6 +102,8 @@ class Exporter(Collector):
         yield CounterMetricFamily(
             "b70_failovers", "Failovers to the fallback runtime", value=float(m.failovers)
         )
+
+    def _switches(self, s: dict[str, Any]) -> Iterator[Any]:
         yield CounterMetricFamily("b70_switches", "Switches recorded", value=float(s["switches"]))
         yield CounterMetricFamily(
             "b70_switches_failed", "Switches that failed", value=float(s["switches_failed"])
@@ -106,13 +114,15 @@ class Exporter(Collector):
                 "How long the last switch took",
                 value=float(s["last_switch_s"]),
             )
+
+    def _requests(self, s: dict[str, Any]) -> Iterator[Any]:
+        o, held = s["o"], s["held"]
         if o.in_flight is not None:
             yield GaugeMetricFamily(
                 "b70_requests_in_flight",
                 "Running plus waiting requests in the runtime",
                 value=float(o.in_flight),
             )
-        held = s["held"]
         yield GaugeMetricFamily(
             "b70_requests_held",
             "Requests waiting at the proxy now (a switch, or the runtime not healthy)",
@@ -128,6 +138,8 @@ class Exporter(Collector):
             "Held requests answered 503 because the hold time ran out, since the proxy started",
             value=float(held.timed_out),
         )
+
+    def _vram(self, s: dict[str, Any]) -> Iterator[Any]:
         total = GaugeMetricFamily("b70_vram_total_bytes", "GPU memory", labels=["device"])
         used = GaugeMetricFamily("b70_vram_used_bytes", "GPU memory in use", labels=["device"])
         per_unit = GaugeMetricFamily(
