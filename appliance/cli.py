@@ -128,25 +128,16 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
     config = ctx.config()
     if diff:
         text = render_diff(config, ctx.scope)
-        if ctx.json:
-            output.emit_json({"changed": bool(text), "diff": text})
-        else:
-            click.echo(text, nl=False)
+        output.show(ctx.json, {"changed": bool(text), "diff": text}, lambda: text.rstrip("\n"))
         sys.exit(1 if text else 0)
     files = render_all(config, layout(ctx.scope))
     if out is None:
-        if ctx.json:
-            output.emit_json({"files": files})
-        else:
-            for name, text in files.items():
-                click.echo(f"# ---- {name}\n{text}")
+        output.show(ctx.json, {"files": files}, lambda: output.render_listing(files))
         return
     for name, text in files.items():
         write_atomic(out / name, text)
-    if ctx.json:
-        output.emit_json({"written": [str(out / name) for name in files]})
-    else:
-        click.echo("\n".join(str(out / name) for name in files))
+    written = [str(out / name) for name in files]
+    output.show(ctx.json, {"written": written}, lambda: output.render_files(written))
 
 
 @cli.command()
@@ -171,29 +162,8 @@ def install(ctx: Context, now: bool) -> None:
     from appliance import install as install_mod
 
     result = install_mod.install(ctx.config(), ctx.scope, now, output.progress)
-    if ctx.json:
-        output.emit_json(dataclasses.asdict(result))
-        return
-    for path in result.removed:
-        click.echo(f"removed {path}: its runtime is not in the config any more")
-    for path in result.written:
-        click.echo(f"wrote {path}")
-    if not result.written:
-        click.echo("every file was already current")
-    if result.key_created:
-        click.echo("created the proxy key file")
-    if result.config is not None:
-        change = result.config
-        if change.backup:
-            click.echo(f"replaced {change.path}; the previous file is kept as {change.backup}:")
-            click.echo(change.diff, nl=False)
-        else:
-            click.echo(f"wrote {change.path}")
-    click.echo(f"enabled {', '.join(result.enabled)}")
-    for unit in result.started:
-        click.echo(f"started {unit}")
-    for note in result.notes:
-        click.echo(f"note: {note}")
+    doc = dataclasses.asdict(result)
+    output.show(ctx.json, doc, lambda: output.render_install(doc))
 
 
 @cli.command()
@@ -213,11 +183,7 @@ def uninstall(ctx: Context, purge: bool) -> None:
     from appliance import install as install_mod
 
     removed = install_mod.uninstall(ctx.config(), ctx.scope, purge)
-    if ctx.json:
-        output.emit_json({"removed": removed})
-        return
-    for path in removed:
-        click.echo(f"removed {path}")
+    output.show(ctx.json, {"removed": removed}, lambda: output.render_removed(removed))
 
 
 @cli.command()
@@ -248,10 +214,7 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: fl
     )
     data = dataclasses.asdict(result)
     data.pop("journal")
-    if ctx.json:
-        output.emit_json(data)
-    else:
-        click.echo(output.render_switch(data))
+    output.show(ctx.json, data, lambda: output.render_switch(data))
 
 
 @cli.command()
@@ -266,10 +229,7 @@ def status(ctx: Context) -> None:
     from appliance import status as status_mod
 
     result = status_mod.status(ctx.config(), ctx.scope)
-    if ctx.json:
-        output.emit_json(result)
-    else:
-        click.echo(output.render_status(result))
+    output.show(ctx.json, result, lambda: output.render_status(result))
 
 
 @cli.command()
@@ -296,8 +256,7 @@ def monitor(ctx: Context, once: bool) -> None:
             exit_code=2,
         )
     sample = monitor_mod.run(ctx.config(), ctx.scope, unitgate_log, once=once)
-    if ctx.json:
-        output.emit_json(sample)
+    output.show(ctx.json, sample)
 
 
 @cli.command()
@@ -331,7 +290,7 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
                 exit_code=2,
             )
         text = systemd.journal_excerpt(ctx.scope, unit, lines)
-        output.emit_json({"unit": unit, "lines": text.splitlines()})
+        output.show(True, {"unit": unit, "lines": text.splitlines()})
         return
     argv = systemd.journal_command(ctx.scope, unit, lines, follow)
     try:
@@ -433,10 +392,7 @@ def plan(ctx: Context, config_json: Path, **options: Any) -> None:
         reserve_bytes=int(options["reserve_gib"] * capacity.GIB),
         batches=tuple(options["batches"]) or (1, 64),
     )
-    if ctx.json:
-        output.emit_json(dataclasses.asdict(result))
-    else:
-        click.echo(output.render_plan(result))
+    output.show(ctx.json, dataclasses.asdict(result), lambda: output.render_plan(result))
 
 
 @cli.command("gate")
@@ -463,11 +419,9 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     result = gate.through_proxy(config, layout(ctx.scope), serving, record=record, k=k)
     doc = {"runtime": result.runtime, "ok": result.ok, "checks": [vars(c) for c in result.checks]}
     if not ctx.json:
-        for c in result.checks:
-            click.echo(f"{'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}")
+        output.show(False, doc, lambda: output.render_gate(doc))
     gate.require(result)
-    if ctx.json:
-        output.emit_json(doc)
+    output.show(ctx.json, doc)
 
 
 @cli.command()
@@ -531,11 +485,11 @@ def bench(ctx: Context, **o: Any) -> None:
     from appliance.files import write_atomic
 
     write_atomic(out, json.dumps(doc, indent=2) + "\n")
-    if ctx.json:
-        output.emit_json({"result_file": str(out), **doc["summary"]})
-    else:
-        click.echo(output.render_bench(doc["summary"], w.concurrency))
-        click.echo(f"result file: {out}")
+    output.show(
+        ctx.json,
+        {"result_file": str(out), **doc["summary"]},
+        lambda: output.render_bench(doc["summary"], w.concurrency) + f"\nresult file: {out}",
+    )
 
 
 def _bench_target(ctx: Context, o: dict[str, Any]) -> tuple[Any, str, str, dict[str, Any]]:
@@ -613,10 +567,7 @@ def gpu(ctx: Context, root: Path | None) -> None:
     from appliance import gpu as gpu_mod
 
     snap = gpu_mod.snapshot(gpu_root(root))
-    if ctx.json:
-        output.emit_json(output.gpu_document(snap))
-    else:
-        click.echo(output.render_gpu(snap))
+    output.show(ctx.json, output.gpu_document(snap), lambda: output.render_gpu(snap))
 
 
 @gpu.command("wait-free")
@@ -658,12 +609,11 @@ def gpu_wait_free(
         )
     need = int(need_gib * memgate.GIB) if need_gib is not None else need_bytes
     memgate.wait_start(gpu_root(root), device, need, unit, timeout_s, unitgate_log)
-    if ctx.json:
-        output.emit_json({"device": device, "need_bytes": need, "free": True})
+    output.show(ctx.json, {"device": device, "need_bytes": need, "free": True})
 
 
 def unitgate_log(message: str) -> None:
-    click.echo(message, err=True)
+    output.log(message)
 
 
 @cli.group(hidden=True)
@@ -680,8 +630,7 @@ def unit_pre(ctx: Context, port: int, wait_s: float) -> None:
     from appliance import unitgate
 
     unitgate.pre(port, wait_s)
-    if ctx.json:
-        output.emit_json({"port": port, "free": True})
+    output.show(ctx.json, {"port": port, "free": True})
 
 
 @unit.command("ready")
@@ -706,8 +655,7 @@ def unit_ready(
     if port is None:
         raise ApplianceError(f"--url {url} names no valid port", code="usage_error", exit_code=2)
     unitgate.ready(unitgate.ReadyTarget(url, engine, port, pid, container, container_cli))
-    if ctx.json:
-        output.emit_json({"url": url, "ready": True})
+    output.show(ctx.json, {"url": url, "ready": True})
 
 
 def main(argv: list[str] | None = None) -> None:

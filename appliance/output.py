@@ -8,11 +8,22 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from appliance.errors import ApplianceError
 
 ENVELOPE_VERSION = 1
+
+
+def show(as_json: bool, doc: Any, text: Callable[[], str] | None = None) -> None:
+    """A command's result: the JSON envelope with --json, else `text()` (nothing if None)."""
+    if as_json:
+        emit_json(doc)
+    elif text is not None:
+        rendered = text()
+        if rendered:
+            print(rendered, flush=True)
 
 
 def emit_json(result: Any) -> None:
@@ -38,6 +49,11 @@ def emit_error(error: ApplianceError) -> None:
     print(f"error: {error.message}", file=sys.stderr)
     if error.hint:
         print(f"hint: {error.hint}", file=sys.stderr)
+
+
+def log(message: str) -> None:
+    """A line for the journal or the terminal, on stderr."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def progress(phase: str, detail: str) -> None:
@@ -259,3 +275,40 @@ def render_bench(s: dict[str, Any], concurrency: int) -> str:
     else:
         lines.append("generation       INVALID: " + "; ".join(s["invalid_because"]))
     return "\n".join(lines)
+
+
+def render_files(written: list[str]) -> str:
+    return "\n".join(written)
+
+
+def render_listing(files: dict[str, str]) -> str:
+    return "\n".join(f"# ---- {name}\n{text}" for name, text in files.items())
+
+
+def render_install(r: dict[str, Any]) -> str:
+    lines = [f"removed {path}: its runtime is not in the config any more" for path in r["removed"]]
+    lines += [f"wrote {path}" for path in r["written"]]
+    if not r["written"]:
+        lines.append("every file was already current")
+    if r["key_created"]:
+        lines.append("created the proxy key file")
+    change = r["config"]
+    if change is not None and change["backup"]:
+        lines.append(f"replaced {change['path']}; the previous file is kept as {change['backup']}:")
+        lines.append(change["diff"].rstrip("\n"))
+    elif change is not None:
+        lines.append(f"wrote {change['path']}")
+    lines.append(f"enabled {', '.join(r['enabled'])}")
+    lines += [f"started {unit}" for unit in r["started"]]
+    lines += [f"note: {note}" for note in r["notes"]]
+    return "\n".join(lines)
+
+
+def render_removed(removed: list[str]) -> str:
+    return "\n".join(f"removed {path}" for path in removed)
+
+
+def render_gate(doc: dict[str, Any]) -> str:
+    return "\n".join(
+        f"{'ok  ' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}" for c in doc["checks"]
+    )
