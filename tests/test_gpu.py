@@ -17,7 +17,7 @@ import pytest
 from appliance import gpu
 from appliance.errors import ApplianceError
 from appliance.gpu import fdinfo, memgate, xe
-from tests import gpu_trees as t
+from b70tools import gpu_trees as t
 
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
 GIB = t.GIB

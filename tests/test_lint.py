@@ -13,7 +13,7 @@ BIN = Path(sys.executable).parent
 
 def test_ruff() -> None:
     out = subprocess.run(
-        [str(BIN / "ruff"), "check", "appliance", "tests", "scripts"],
+        [str(BIN / "ruff"), "check", "appliance", "b70tools", "tests", "scripts"],
         cwd=REPO,
         capture_output=True,
         text=True,

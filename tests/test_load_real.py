@@ -4,23 +4,19 @@ an error, neither under steady load nor while the runtime is switched back and f
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 
 from tests.conftest import B70CTL, REPO, Appliance
 
 
 def load_test_module():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("load_test", REPO / "scripts" / "load_test.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["load_test"] = module
-    spec.loader.exec_module(module)
-    return module
+    from b70tools import load_test
+
+    return load_test
 
 
 def load_target(lt, appliance: Appliance):  # type: ignore[no-untyped-def]
-    """The test appliance as scripts/load_test.py addresses an installed one."""
+    """The test appliance as b70tools.load_test addresses an installed one."""
     return lt.Target(
         f"http://127.0.0.1:{appliance.proxy_port}",
         appliance.key,
@@ -72,12 +68,13 @@ def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Applian
 
     out = subprocess.run(
         [
-            *(sys.executable, str(REPO / "scripts" / "soak.py"), "--user"),
+            *(sys.executable, "-m", "b70tools.soak", "--user"),
             *("--config", str(appliance.config), "--minutes", "2", "--switch-every", "0.4"),
             *("--clients", "4", "--sample-s", "2", "--warmup-s", "10", "--max-growth", "0.5"),
             "--json",
         ],
         env=appliance.manager.env,
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=900,

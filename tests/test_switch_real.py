@@ -183,7 +183,7 @@ def start_switch(app: Appliance, *args: str) -> subprocess.Popen[str]:
 def test_a_foreign_gpu_holder_is_named_and_the_switch_refused(
     appliance: Appliance, tmp_path: Path
 ) -> None:
-    from tests import gpu_trees as t
+    from b70tools import gpu_trees as t
 
     appliance.b70ctl("switch", "llamacpp", check=True)
     before = appliance.json("status")["result"]["units"]

@@ -15,14 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from appliance.gpu import fdinfo
+from b70tools import gpu_trees
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from appliance.gpu import fdinfo  # noqa: E402
-from tests import gpu_trees  # noqa: E402
-
-PY = str(REPO / ".venv" / "bin" / "python")
-B70CTL = str(REPO / ".venv" / "bin" / "b70ctl")
+PY = sys.executable
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
 
 
 def wall(argv: list[str], runs: int) -> list[float]:

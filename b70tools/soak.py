@@ -1,7 +1,7 @@
 """Hours of use in minutes (scripts/soak): load through the proxy, a switch every M minutes, and
 the memory and open files of every part of the appliance sampled all along.
 
-Clients are those of scripts/load_test.py (the OpenAI SDK, no retries, streaming and not). Every
+Clients are those of b70tools/load_test.py (the OpenAI SDK, no retries, streaming and not). Every
 `--sample-s` seconds the resident memory (RSS) and the open file descriptors of the proxy (its
 master and workers), the monitor and the serving runtime are read from /proc through psutil.
 Growth is the last sample against the first one taken after the warm-up (the first switch's

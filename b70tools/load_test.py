@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 PROMPTS = (
     "Name a colour of the sky.",

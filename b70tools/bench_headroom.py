@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -81,7 +80,9 @@ def main() -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        source = subprocess.Popen([sys.executable, __file__, "--serve", str(port), str(per_write)])
+        source = subprocess.Popen(
+            [sys.executable, "-m", "b70tools.bench_headroom", "--serve", str(port), str(per_write)]
+        )
         try:
             time.sleep(1.0)
             url = f"http://127.0.0.1:{port}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,14 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from b70tools.net import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-B70CTL = str(REPO / ".venv" / "bin" / "b70ctl")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
 
 
 def show(env: dict[str, str], unit: str) -> dict[str, int]:

@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,20 +33,14 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from appliance import config as config_mod
+from appliance.layout import Layout, Scope
+from appliance.render import proxy_argv, proxy_environment, render_proxy_config
+from b70tools.net import free_port
 
-from appliance import config as config_mod  # noqa: E402
-from appliance.layout import Layout, Scope  # noqa: E402
-from appliance.render import proxy_argv, proxy_environment, render_proxy_config  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- the fast stream source --------------------------------------------------------------------
@@ -244,7 +237,8 @@ def appliance_config(proxy_port: int, backend_port: int, workers: int) -> config
 def capacity(root: Path, workers_list: list[int], seconds: float) -> list[dict[str, float]]:
     source_port = free_port()
     source = subprocess.Popen(
-        [sys.executable, __file__, "--serve-source", str(source_port)], start_new_session=True
+        [sys.executable, "-m", "b70tools.bench_proxy", "--serve-source", str(source_port)],
+        start_new_session=True,
     )
     rows = []
     try:
@@ -308,7 +302,7 @@ def ratio(root: Path, backend_port: int, workers: int, seconds: float, rounds: i
 def ratio_paced(root: Path, workers: int, seconds: float, rounds: int, total_tokens_per_s: float):
     """A source paced like a B70 at 64 users: each stream gets 1/64 of the total rate."""
     port = free_port()
-    argv = [sys.executable, __file__, "--serve-source", str(port)]
+    argv = [sys.executable, "-m", "b70tools.bench_proxy", "--serve-source", str(port)]
     source = subprocess.Popen(
         [*argv, "--pace", str(total_tokens_per_s / 64)], start_new_session=True
     )
