@@ -22,8 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import load_test
 import psutil
+
+from b70tools import load_test
 
 PARTS = {"proxy": "b70-litellm.service", "monitor": "b70-monitor.service"}
 

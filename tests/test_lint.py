@@ -43,3 +43,11 @@ def test_the_proxy_package_imports_nothing_else_of_the_appliance() -> None:
                 if name.startswith("appliance.") and not name.startswith("appliance.proxy"):
                     outside.append(f"{path.name}: {name}")
     assert outside == []
+
+
+def test_every_tool_imports_as_a_module() -> None:
+    """scripts/ runs them with `python -m b70tools.NAME`: each imports without a path hack."""
+    import importlib
+
+    for path in sorted((REPO / "b70tools").glob("*.py")):
+        importlib.import_module(f"b70tools.{path.stem}")
