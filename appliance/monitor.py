@@ -22,9 +22,9 @@ import httpx
 
 from appliance import gpu, health, runtimes, systemd
 from appliance.config import Config
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, from_exception
 from appliance.files import write_atomic
-from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Scope, layout
+from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Layout, Scope, layout
 from appliance.plans import Action, Memory, Observation, judge
 from appliance.proxy import hold as hold_mark
 from appliance.recovery import recover_killed_switch
@@ -191,21 +191,44 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
     exporter.serve(mon.host, mon.port)
     m = restore(lay.state_dir)
     log(f"monitoring every {mon.interval_s:g} s; metrics on http://{mon.host}:{mon.port}/metrics")
+    trouble: str | None = None  # what made the last sample fail, logged once while it lasts
     while True:
-        with systemd.connect(scope) as sd:
-            recover_killed_switch(config, sd, lay.state_dir)
-            o = observe(config, sd, lay.state_dir)
-            action = judge(m, o, mon.hang_after, mon.restart_tries, mon.fallback)
-            if action:
-                act(config, scope, sd, action, m, log)
-                save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
-            units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
-            units[PROXY_UNIT] = sd.state(PROXY_UNIT)
-        proxy = health.probe(
-            runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
-        )
-        exporter.update(o, m, units, proxy.healthy, gpu.snapshot(gpu.sysroot()), lay.state_dir)
-        doc = save(lay.state_dir, m, o, log)
-        if once:
-            return doc
+        try:
+            doc = sample(config, scope, lay, m, exporter, log)
+        except (ApplianceError, OSError) as e:
+            # A sample that fails (an unreachable manager, a state directory that cannot be
+            # written) is logged, not fatal: the monitor watches on and tries again next time.
+            if once:
+                raise
+            problem = str(from_exception(e).message)
+            if problem != trouble:
+                log(f"this sample failed: {problem}; the monitor goes on")
+            trouble = problem
+        else:
+            if trouble is not None:
+                log("samples succeed again")
+            trouble = None
+            if once:
+                return doc
         time.sleep(mon.interval_s)
+
+
+def sample(
+    config: Config, scope: Scope, lay: Layout, m: Memory, exporter: Any, log: Any
+) -> dict[str, Any]:
+    """One sample: recover a killed switch, observe, judge and act, export, save."""
+    mon = config.monitor
+    with systemd.connect(scope) as sd:
+        recover_killed_switch(config, sd, lay.state_dir)
+        o = observe(config, sd, lay.state_dir)
+        action = judge(m, o, mon.hang_after, mon.restart_tries, mon.fallback)
+        if action:
+            act(config, scope, sd, action, m, log)
+            save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
+        units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
+        units[PROXY_UNIT] = sd.state(PROXY_UNIT)
+    proxy = health.probe(
+        runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
+    )
+    exporter.update(o, m, units, proxy.healthy, gpu.snapshot(gpu.sysroot()), lay.state_dir)
+    return save(lay.state_dir, m, o, log)

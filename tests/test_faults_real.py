@@ -30,6 +30,11 @@ def main_pid(app: Appliance, unit: str) -> int:
     return int(app.manager.systemctl("show", "-p", "MainPID", "--value", unit).strip() or 0)
 
 
+def monitor_log(app: Appliance) -> str:
+    out = app.b70ctl("logs", "monitor", "-n", "40")
+    return out.stdout + out.stderr
+
+
 def lock_info(app: Appliance) -> dict[str, Any]:
     try:
         data = json.loads((state_dir(app) / "switch.lock").read_text() or "{}")
@@ -326,79 +331,37 @@ def test_the_proxy_killed_under_load_comes_back(appliance: Appliance) -> None:
     assert appliance.json("status")["result"]["proxy"]["healthy"]
 
 
+# A full file system over DIR ($1) holding what SAVED ($2) held: a 1 MiB tmpfs, then filled.
+FILL = """
+mount -t tmpfs -o size=1m b70-full "$1"
+cp -a "$2/." "$1/"
+dd if=/dev/zero of="$1/filler" bs=4096 2>/dev/null || true
+"""
+
+
 def test_a_full_file_system_under_the_state_directory_changes_nothing(
     appliance: Appliance, tmp_path: Path
 ) -> None:
-    """The state directory on a full file system: a 1 MiB tmpfs with what the directory held,
-    filled, and bound over it for b70ctl, the monitor and the proxy (each unit has a mount
-    namespace of its own). A switch is refused before it changes anything, with an error that
-    names the directory; the appliance keeps serving; `status` works and the monitor says once
-    that it cannot save its state and goes on; once there is room, the next switch works."""
-    import errno
+    """The state directory on a full file system, for b70ctl and in the user manager's own mount
+    namespace (where the monitor, restarted, sees it). A switch is refused before it changes
+    anything, with an error that names the directory; the appliance keeps serving; `status`
+    works, and the monitor says that it cannot save its state and goes on; once there is room,
+    the next switch works."""
     import shutil
 
     appliance.b70ctl("switch", "llamacpp", check=True)
     folder = state_dir(appliance)
-    full = tmp_path / "full"
-    full.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "b70-full", str(full)], check=True)
-    bound: list[list[str]] = []  # the mounts to undo, as umount commands
-    try:
-        shutil.copytree(folder, full, dirs_exist_ok=True)
-        fd = os.open(full / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
-        here = f"/proc/{os.getpid()}/root{full}"
-        for unit in ("b70-monitor.service", "b70-litellm.service"):
-            pid = str(main_pid(appliance, unit))
-            enter = ["nsenter", "-t", pid, "-m"]
-            subprocess.run([*enter, "mount", "--bind", here, str(folder)], check=True)
-            bound.append([*enter, "umount", "-l", str(folder)])
-        subprocess.run(["mount", "--bind", str(full), str(folder)], check=True)
-        bound.append(["umount", "-l", str(folder)])
-        before = sorted(p.name for p in folder.iterdir())
-        out = appliance.b70ctl("switch", "vllm")
-        assert out.returncode == 1, out.stdout + out.stderr
-        assert "No space left on device" in out.stderr and str(folder) in out.stderr
-        assert "nothing was changed" in out.stderr and "Traceback" not in out.stderr
-        assert sorted(p.name for p in folder.iterdir()) == before, "a file was left half-written"
-        assert appliance.ask().strip()
-        status = appliance.json("status")
-        assert status["ok"] and status["result"]["active_runtime"] == "llamacpp"
-        deadline = time.monotonic() + 30
-        while "cannot save the monitor's state" not in appliance.b70ctl("logs", "monitor").stdout:
-            assert time.monotonic() < deadline, "the monitor never met the full directory"
-            time.sleep(1)
-        show = appliance.manager.systemctl("show", "-p", "ActiveState,NRestarts", "b70-monitor")
-        assert show.split() == ["ActiveState=active", "NRestarts=0"], show
-        (folder / "filler").unlink()
-        out = appliance.b70ctl("switch", "vllm")
-        assert out.returncode == 0, out.stderr
-        assert appliance.json("status")["result"]["active_runtime"] == "vllm"
-    finally:
-        for command in reversed(bound):
-            subprocess.run(command, check=False)
-        subprocess.run(["umount", "-l", str(full)], check=False)
-    appliance.b70ctl("switch", "llamacpp", check=True)
-    folder = state_dir(appliance)
     saved = tmp_path / "saved"
     shutil.copytree(folder, saved)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "b70-full", str(folder)], check=True)
+    manager_pid = (appliance.manager.dir / "mgr" / "manager.pid").read_text().strip()
+    namespaces = [[], ["nsenter", "-t", manager_pid, "-m"]]  # this one, and the manager's
+    mounted: list[list[str]] = []
     try:
-        shutil.copytree(saved, folder, dirs_exist_ok=True)
-        fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        for enter in namespaces:
+            subprocess.run([*enter, "sh", "-c", FILL, "sh", str(folder), str(saved)], check=True)
+            mounted.append(enter)
+        assert (folder / "filler").stat().st_size > 0
+        appliance.manager.systemctl("restart", "b70-monitor.service")
         before = sorted(p.name for p in folder.iterdir())
         out = appliance.b70ctl("switch", "vllm")
         assert out.returncode == 1, out.stdout + out.stderr
@@ -408,13 +371,19 @@ def test_a_full_file_system_under_the_state_directory_changes_nothing(
         assert appliance.ask().strip()
         status = appliance.json("status")
         assert status["ok"] and status["result"]["active_runtime"] == "llamacpp"
-        time.sleep(3)  # the monitor samples (and fails to save) meanwhile, and lives on
-        state = appliance.manager.systemctl("show", "-p", "ActiveState", "--value", "b70-monitor")
-        assert state.strip() == "active"
-        (folder / "filler").unlink()
+        deadline = time.monotonic() + 60
+        while "cannot save the monitor's state" not in (log := monitor_log(appliance)):
+            assert time.monotonic() < deadline, f"the monitor never met the full directory:\n{log}"
+            time.sleep(1)
+        show = appliance.manager.systemctl("show", "-p", "ActiveState,NRestarts", "b70-monitor")
+        assert sorted(show.split()) == ["ActiveState=active", "NRestarts=0"], show
+        for enter in namespaces:  # room again
+            subprocess.run([*enter, "rm", "-f", str(folder / "filler")], check=True)
         out = appliance.b70ctl("switch", "vllm")
         assert out.returncode == 0, out.stderr
         assert appliance.json("status")["result"]["active_runtime"] == "vllm"
     finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
+        for enter in reversed(mounted):
+            subprocess.run([*enter, "umount", "-l", str(folder)], check=False)
+        appliance.manager.systemctl("restart", "b70-monitor.service")
     appliance.b70ctl("switch", "llamacpp", check=True)

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
+    GGUF,
+    LLAMA_SERVER,
     Appliance,
     demo_config_text,
     free_port,
@@ -106,19 +108,19 @@ def test_two_managers_on_one_machine_do_not_touch_each_other(
 def test_a_runtime_taken_out_of_the_config_is_removed_and_a_foreign_unit_is_kept(
     fresh: Appliance,
 ) -> None:
-    fresh.b70ctl("install", check=True)
     units = Path(fresh.manager.env["XDG_CONFIG_HOME"]) / "systemd" / "user"
-    assert (units / "b70-broken.service").exists()
+    text = fresh.config.read_text()
+    spare = f'\n[runtimes.spare]\nengine = "llamacpp"\ncommand = ["{LLAMA_SERVER}"]\n'
+    fresh.config.write_text(text + spare + f'model = "{GGUF}"\n')
+    fresh.b70ctl("install", check=True)
+    assert (units / "b70-spare.service").exists()
     mine = units / "b70-mine.service"  # the user's own, with a b70- name
     mine.write_text("[Service]\nExecStart=/bin/true\n")
-    text = fresh.config.read_text()
-    start = text.index("[runtimes.broken]")
-    end = text.index("[gpu]")
-    fresh.config.write_text(text[:start] + text[end:])
+    fresh.config.write_text(text)
     out = fresh.json("install")["result"]
-    assert out["removed"] == [str(units / "b70-broken.service")]
-    assert not (units / "b70-broken.service").exists() and mine.exists()
-    load = fresh.manager.systemctl("show", "-p", "LoadState", "--value", "b70-broken.service")
+    assert out["removed"] == [str(units / "b70-spare.service")]
+    assert not (units / "b70-spare.service").exists() and mine.exists()
+    load = fresh.manager.systemctl("show", "-p", "LoadState", "--value", "b70-spare.service")
     assert load.strip() == "not-found"
     assert fresh.json("status")["result"]["active_runtime"] == "llamacpp"
     assert fresh.json("install")["result"]["removed"] == []

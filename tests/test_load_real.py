@@ -93,3 +93,5 @@ def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Applian
     serving = [s for s in samples if s["runtime"]]
     assert all(s["rss_bytes"]["runtime"] > 0 and s["fds"]["runtime"] > 0 for s in serving)
     assert {s["runtime"] for s in serving} == {"llamacpp", "vllm"}
+    # The tests after this one expect the appliance as installed: llama.cpp serving.
+    appliance.b70ctl("switch", "llamacpp", check=True)

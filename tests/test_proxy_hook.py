@@ -134,7 +134,7 @@ def test_an_unhealthy_backend_holds_until_it_answers(tmp_path: Path) -> None:
 
 def test_a_mark_left_by_a_dead_switch_holds_nothing(tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from appliance import hold\n"
+        "import sys; from pathlib import Path; from appliance.proxy import hold\n"
         "m = hold.marked(Path(sys.argv[1]), 'vllm'); m.__enter__()\n"  # exits without cleanup
         "import os; os._exit(0)\n"
     )
