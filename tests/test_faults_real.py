@@ -165,25 +165,30 @@ def test_a_killed_switch_to_another_runtime_leaves_boot_and_serving_agreeing(
     first = appliance.json("status")["result"]
     assert first["killed_switch"] is not None and first["killed_switch"]["target"] == "vllm"
     deadline = time.monotonic() + 600
-    while True:
+    while True:  # recovered, and settled: one runtime serves
         status = appliance.json("status")["result"]
-        if status["killed_switch"] is None:
+        if status["killed_switch"] is None and status["active_runtime"] is not None:
             break
-        assert time.monotonic() < deadline
+        assert time.monotonic() < deadline, status
         time.sleep(1)
-    assert status["active_runtime"] == "vllm"
+    serving = status["active_runtime"]
     enabled = {u["unit"]: u["enabled"] for u in status["units"]}
-    assert enabled == {
-        "b70-broken.service": "disabled",
-        "b70-llamacpp.service": "disabled",
-        "b70-vllm.service": "enabled",
-        "b70-litellm.socket": "enabled",
-        "b70-litellm.service": "enabled",
-        "b70-monitor.service": "enabled",
-    }
-    assert (
-        "vllm is serving; it is now the runtime enabled at boot" in status["last_switch"]["error"]
-    )
+    # The runtime that serves is the one enabled at boot, and no other runtime is.
+    assert enabled["b70-vllm.service"] == ("enabled" if serving == "vllm" else "disabled")
+    assert enabled["b70-llamacpp.service"] == ("enabled" if serving == "llamacpp" else "disabled")
+    assert enabled["b70-broken.service"] == "disabled"
+    assert {
+        enabled[u] for u in ("b70-litellm.socket", "b70-litellm.service", "b70-monitor.service")
+    } == {"enabled"}
+    error = status["last_switch"]["error"]
+    assert "was killed during" in error, error
+    if serving != "vllm":  # vLLM did not finish its start: the boot runtime was started instead
+        print(
+            "vLLM did not come up after the kill:", error, appliance.b70ctl("logs", "vllm").stdout
+        )
+        assert "started llamacpp, the runtime enabled at boot" in error, error
+    else:
+        assert "vllm is serving; it is now the runtime enabled at boot" in error, error
     assert appliance.ask().strip()
     assert appliance.json("switch", "llamacpp")["ok"]
 
