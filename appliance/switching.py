@@ -1,42 +1,65 @@
-"""The switch: preflight, one StartUnit, verify through the proxy, record, or roll back."""
+"""The switch: preflight, one StartUnit, verify through the proxy, record, or roll back.
+
+What to do is decided by appliance.plans.plan_switch from what was observed. `Executor` applies
+the plan's steps through `Edges` (appliance.edges.SystemEdges on a real appliance) with a
+`Clock`, so that the executor runs in tests without systemd and without waiting.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from appliance import gate, health, plans, runtimes, state, systemd
-from appliance.config import Config, RuntimeConfig
+from appliance import plans, state, systemd
+from appliance.config import Config
+from appliance.edges import SystemEdges
 from appliance.errors import ApplianceError
 from appliance.interrupts import Interrupts, SwitchInterrupted
-from appliance.layout import Layout, Scope, layout
+from appliance.layout import Scope, layout, runtime_unit
 from appliance.preflight import preflight
-from appliance.proxy import hold as hold_mark
+from appliance.proxy.hold import Mark
 from appliance.recovery import recover_killed
-from appliance.state import read_key
-from appliance.units import (
-    SUB_STATE_PHASE,
-    Progress,
-    enable_only,
-    no_progress,
-    serving_runtime,
-    wait_started,
-    wait_stopped,
-)
-
-POLL_S = 0.1
-DRAIN_POLL_S = 0.2
-# A request the proxy let through just before the hold was marked reaches the runtime a few
-# milliseconds later: the drain counts only after this, and only two empty readings in a row.
-DRAIN_SETTLE_S = 0.3
-VERIFY_PROMPT = "Reply with one word: ready"
+from appliance.units import SUB_STATE_PHASE, Progress, no_progress, serving_runtime
 
 
-# --- switch ------------------------------------------------------------------------------------
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def time(self) -> float: ...
+
+
+class SystemClock:
+    monotonic = staticmethod(time.monotonic)
+    time = staticmethod(time.time)
+
+
+class Edges(Protocol):
+    """What a switch does to the world, one method per kind of step (and the record)."""
+
+    def hold(self, target: str) -> AbstractContextManager[Mark]: ...
+
+    def note(self, **fields: Any) -> None: ...  # the lock's note of the phase, for recovery
+
+    def drain(self, runtime: str, timeout_s: float, stop: Callable[[], bool]) -> int | None: ...
+
+    def stop(self, runtime: str, wait: bool) -> None: ...
+
+    def start(self, runtime: str) -> dict[str, float]: ...  # seconds per sub-state
+
+    def verify(self, runtime: str, token: str | None) -> str: ...
+
+    def gate(self, runtime: str, token: str | None) -> None: ...
+
+    def enable(self, runtime: str) -> None: ...
+
+    def journal(self, runtime: str, since: float | None) -> str | None: ...
+
+    def journal_command(self, runtime: str) -> str: ...
+
+    def record(self, record: dict[str, Any]) -> str | None: ...  # why it was not written
 
 
 @dataclass
@@ -52,9 +75,9 @@ class SwitchResult:
     error: str | None = None
     journal: str | None = None
 
-    def record(self) -> dict[str, Any]:
+    def record(self, at: float) -> dict[str, Any]:
         return {
-            "at": time.time(),
+            "at": at,
             "from": self.previous,
             "to": self.target,
             "ok": self.ok,
@@ -63,87 +86,6 @@ class SwitchResult:
             "rolled_back": self.rolled_back,
             "error": self.error,
         }
-
-
-def verify_through_proxy(
-    config: Config, lay: Layout, token: str | None = None, timeout_s: float = 60
-) -> str:
-    """A real completion on the proxy port; retried briefly while the proxy reconnects.
-
-    `token` is the hold mark's: the switch's own request passes the hold it set.
-    """
-    key = read_key(lay)
-    headers = {hold_mark.BYPASS_HEADER: token} if token else {}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return health.chat_completion(
-                runtimes.proxy_url(config), key, config.proxy.model, VERIFY_PROMPT, headers=headers
-            )
-        except ApplianceError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-
-
-def start_unit(
-    config: Config, sd: systemd.Systemd, rt: RuntimeConfig, progress: Progress
-) -> dict[str, float]:
-    """One StartUnit: Conflicts= stops the old runtime in the same transaction. Waits until the
-    unit is active (its health gate passed); the seconds spent in each phase."""
-    timings: dict[str, float] = {}
-    t0 = time.monotonic()
-    if sd.state(rt.unit).sub_state == "auto-restart":  # a crash loop: end it, then start afresh
-        sd.stop(rt.unit)
-        wait_stopped(sd, rt.unit, runtimes.stop_timeouts(rt).unit_s + 30)
-    sd.reset_failed(rt.unit)  # a manual switch is not a crash loop: clear the start limit
-    sd.start(rt.unit)
-    others = [o for o in config.runtimes.values() if o.name != rt.name]
-    stop_budget = sum(runtimes.stop_timeouts(o).unit_s for o in others) + 30
-    for sub, seconds in wait_started(
-        sd, rt.unit, rt.start_timeout_s + stop_budget, progress
-    ).items():
-        timings[SUB_STATE_PHASE.get(sub, sub)] = seconds
-    timings["unit"] = time.monotonic() - t0
-    return timings
-
-
-def verify_runtime(
-    config: Config, lay: Layout, rt: RuntimeConfig, progress: Progress, token: str | None
-) -> tuple[float, str]:
-    """A real completion through the proxy's port; the seconds it took, and the answer."""
-    t0 = time.monotonic()
-    progress("verifying", f"a completion through port {config.proxy.port}")
-    answer = verify_through_proxy(config, lay, token)
-    progress("verified", f"{rt.name} answers through port {config.proxy.port}")
-    return time.monotonic() - t0, answer
-
-
-def drain(
-    config: Config,
-    timeout_s: float,
-    progress: Progress,
-    stop: Callable[[], bool] = lambda: False,
-) -> tuple[float, int | None]:
-    """Wait until the serving runtime has no request running or queued, up to `timeout_s`.
-
-    Returns the seconds waited and what was still in flight at the end: 0 when drained, more
-    when the time ran out, None when the runtime's metrics could not be read.
-    """
-    t0 = time.monotonic()
-    time.sleep(DRAIN_SETTLE_S)
-    url, empty, shown = runtimes.backend_url(config), 0, None
-    while True:
-        n = health.read_in_flight(url)
-        if n is None or (n == 0 and empty >= 1) or stop():
-            return time.monotonic() - t0, n
-        empty = empty + 1 if n == 0 else 0
-        if n and n != shown:
-            progress("draining", f"{n} request{'s' if n > 1 else ''} in flight")
-            shown = n
-        if n and time.monotonic() - t0 >= timeout_s:
-            return time.monotonic() - t0, n
-        time.sleep(DRAIN_POLL_S)
 
 
 def switch(
@@ -160,12 +102,11 @@ def switch(
     1. lock; 2. preflight; 3. hold new requests at the proxy; 4. drain the old runtime;
     5. one StartUnit (Conflicts= stops the old one); 6. verify through the proxy (and gate);
     7. release the hold, enable the target, record. A failure in 5 or 6 rolls back, still held.
-
-    What to do is decided by appliance.plans.plan_switch from what was observed; this applies it.
     """
     lay = layout(scope)
     target = config.runtime(target_name)
-    t0 = time.monotonic()
+    clock = SystemClock()
+    t0 = clock.monotonic()
     with (
         state.switch_lock(lay.state_dir, target_name) as lock,
         systemd.connect(scope) as sd,
@@ -174,66 +115,33 @@ def switch(
         if lock.stale is not None:
             recover_killed(config, lay, sd, lock.stale, progress, wait=True)
         notes = preflight(config, lay, sd, target)
-        run = _Run(config, lay, sd, target, serving_runtime(config, sd), lock, interrupts, t0)
+        previous = serving_runtime(config, sd)
+        edges = SystemEdges(config, lay, sd, lock, interrupts.progress)
+        run = Executor(edges, clock, interrupts, target_name, previous, config.proxy.port, t0)
         run.notes += notes
-        run.phases["preflight"] = time.monotonic() - t0
+        run.phases["preflight"] = clock.monotonic() - t0
         drain_for = config.proxy.drain_s if drain_s is None else drain_s
-        plan = plans.plan_switch(
-            plans.Observed(run.previous), target_name, plans.Options(restart, gate, drain_for)
-        )
-        if plan.already:
-            run.apply(plan.steps)
-            run.notes.append(f"{target_name} is already serving")
-            return run.result(ok=True)
-        try:
-            interrupts.check("preflight")
-            return run.switch(plan)
-        except SwitchInterrupted as e:
-            if e.recorded:
-                raise
-            result = run.result(ok=False, error=e.message)
-            unrecorded = state.record_switch(
-                lay.state_dir, {**result.record(), "interrupted": True}
-            )
-            if unrecorded:
-                e.message += f"; {unrecorded}"
-            raise
+        options = plans.Options(restart, gate, drain_for)
+        return run.run(plans.plan_switch(plans.Observed(previous), target_name, options))
 
 
-@contextmanager
-def holding(state_dir: Path, target: str) -> Iterator[hold_mark.Mark]:
-    """New requests held at the proxy for the block; a mark that cannot be written (a full
-    file system) is refused here, before anything has changed."""
-    with ExitStack() as stack:
-        try:
-            mark = stack.enter_context(hold_mark.marked(state_dir, target))
-        except hold_mark.Unwritable as e:
-            raise ApplianceError(
-                f"cannot write the hold mark {e.path}: {e.why}; nothing was changed",
-                hint=f"free space on the file system of {state_dir} (df -h {state_dir}), "
-                "or fix its permissions; then switch again",
-                code="state_unwritable",
-            ) from None
-        yield mark
-
-
-class _Run:
-    """One switch, applying the steps of its plan through systemd, the proxy and the state
-    directory; it keeps what the record needs (phases, notes, the answer)."""
+class Executor:
+    """One switch: the steps of its plan applied through the edges, and the plan's rollback
+    when a start, verification or gate fails; it keeps what the record needs (phases, notes,
+    the answer)."""
 
     def __init__(
         self,
-        config: Config,
-        lay: Layout,
-        sd: systemd.Systemd,
-        target: RuntimeConfig,
-        previous: str | None,
-        lock: state.SwitchLock,
+        edges: Edges,
+        clock: Clock,
         interrupts: Interrupts,
+        target: str,
+        previous: str | None,
+        port: int,
         t0: float,
     ) -> None:
-        self.config, self.lay, self.sd, self.target = config, lay, sd, target
-        self.previous, self.lock, self.interrupts, self.t0 = previous, lock, interrupts, t0
+        self.edges, self.clock, self.interrupts = edges, clock, interrupts
+        self.target, self.previous, self.port, self.t0 = target, previous, port, t0
         self.progress = interrupts.progress
         self.phases: dict[str, float] = {}
         self.notes: list[str] = []
@@ -244,16 +152,30 @@ class _Run:
         self.current: plans.Step | None = None  # the step being applied
 
     def result(self, ok: bool, **fields: Any) -> SwitchResult:
+        seconds = self.clock.monotonic() - self.t0
         return SwitchResult(
-            self.target.name,
-            self.previous,
-            ok,
-            time.monotonic() - self.t0,
-            self.phases,
-            self.notes,
-            self.answer,
-            **fields,
+            self.target, self.previous, ok, seconds, self.phases, self.notes, self.answer, **fields
         )
+
+    def record(self, result: SwitchResult, interrupted: bool) -> str | None:
+        """The switch's record in the history; why it could not be written, or None."""
+        return self.edges.record({**result.record(self.clock.time()), "interrupted": interrupted})
+
+    def run(self, plan: plans.Plan) -> SwitchResult:
+        if plan.already:
+            self.apply(plan.steps)
+            self.notes.append(f"{self.target} is already serving")
+            return self.result(ok=True)
+        try:
+            self.interrupts.check("preflight")
+            return self.switch(plan)
+        except SwitchInterrupted as e:
+            if e.recorded:
+                raise
+            unrecorded = self.record(self.result(ok=False, error=e.message), interrupted=True)
+            if unrecorded:
+                e.message += f"; {unrecorded}"
+            raise
 
     def switch(self, plan: plans.Plan) -> SwitchResult:
         """Steps 3-7: the plan's steps, and its rollback if a start, verify or gate fails."""
@@ -265,16 +187,13 @@ class _Run:
                     raise  # before the commit nothing changed; a stop that hangs is its own error
                 return self.roll_back(plan, failure)
         received = self.interrupts.received
-        unrecorded = state.record_switch(
-            self.lay.state_dir,
-            {**self.result(ok=True).record(), "interrupted": received is not None},
-        )
+        unrecorded = self.record(self.result(ok=True), interrupted=received is not None)
         if unrecorded:
             self.notes.append(unrecorded)
         if received:
             raise SwitchInterrupted(
-                f"interrupted by {received} after {self.target.name} had begun to start; the "
-                f"switch was finished: {self.target.name} is serving",
+                f"interrupted by {received} after {self.target} had begun to start; the "
+                f"switch was finished: {self.target} is serving",
                 recorded=True,
             )
         return self.result(ok=True)
@@ -285,69 +204,72 @@ class _Run:
             self.step(step, rolling_back)
 
     def step(self, step: plans.Step, rolling_back: bool = False) -> None:
-        config, sd, progress = self.config, self.sd, self.progress
-        rt = config.runtime(step.runtime) if step.runtime else self.target
+        edges, progress, rt = self.edges, self.progress, step.runtime or self.target
+        t0 = self.clock.monotonic()
         if step.kind == plans.HOLD:
-            self.token = self.hold.enter_context(holding(self.lay.state_dir, rt.name)).token
-            self.lock.note(previous=self.previous, phase="hold")
-            progress("holding", f"new requests wait at port {config.proxy.port}")
+            self.token = self.hold.enter_context(edges.hold(rt)).token
+            edges.note(previous=self.previous, phase="hold")
+            progress("holding", f"new requests wait at port {self.port}")
         elif step.kind == plans.DRAIN:
-            self.lock.note(phase="drain")
-            timeout = step.seconds if step.seconds is not None else config.proxy.drain_s
-            stop = lambda: self.interrupts.received is not None  # noqa: E731
-            self.phases["drained"], left = drain(config, timeout, progress, stop)
+            edges.note(phase="drain")
+            timeout = step.seconds or 0.0
+            left = edges.drain(rt, timeout, lambda: self.interrupts.received is not None)
+            self.phases["drained"] = self.clock.monotonic() - t0
             self.interrupts.check("the drain")
             if left:
                 self.notes.append(
                     f"drain: {left} request(s) still in flight after {timeout:g} s; "
-                    f"{rt.name} was given its stop timeout to finish them"
+                    f"{rt} was given its stop timeout to finish them"
                 )
             elif left is None:
-                self.notes.append(f"drain: {rt.name} did not report its requests in flight")
+                self.notes.append(f"drain: {rt} did not report its requests in flight")
         elif step.kind == plans.COMMIT:
             self.interrupts.check("the drain")
             self.interrupts.committed = True
-            self.lock.note(phase="start")
+            edges.note(phase="start")
         elif step.kind == plans.STOP:
-            progress("stopping", rt.unit)
-            sd.stop(rt.unit)
-            if not rolling_back:
-                wait_stopped(sd, rt.unit, runtimes.stop_timeouts(rt).unit_s + 30)
+            edges.stop(rt, wait=not rolling_back)
         elif step.kind == plans.START:
-            if rolling_back:
-                progress("rolling back", f"starting {rt.name} again")
-            elif self.started_at is None:
-                self.started_at = time.time()
-            timings = start_unit(config, sd, rt, progress)
-            if not rolling_back:
-                self.phases.update(timings)
+            self.start(rt, rolling_back)
         elif step.kind == plans.VERIFY:
             if not rolling_back and self.token is not None:
-                self.lock.note(phase="verify")
-            took, answer = verify_runtime(config, self.lay, rt, progress, self.token)
+                edges.note(phase="verify")
+            progress("verifying", f"a completion through port {self.port}")
+            answer = edges.verify(rt, self.token)
+            progress("verified", f"{rt} answers through port {self.port}")
             if not rolling_back:
-                self.phases["verified"], self.answer = took, answer
+                self.phases["verified"], self.answer = self.clock.monotonic() - t0, answer
         elif step.kind == plans.GATE:
-            self.lock.note(phase="gate")
-            t_gate = time.monotonic()
+            edges.note(phase="gate")
             progress("gating", "JSON mode and canaries")
-            gate.require(gate.through_proxy(config, self.lay, rt.name, token=self.token))
-            self.phases["gated"] = time.monotonic() - t_gate
+            edges.gate(rt, self.token)
+            self.phases["gated"] = self.clock.monotonic() - t0
         elif step.kind == plans.ENABLE:
             self.hold.close()  # the held requests go on now; the rest is bookkeeping
-            enable_only(config, sd, rt.name)
+            edges.enable(rt)
         else:  # pragma: no cover - a plan names only the steps above
             raise AssertionError(f"unknown step {step}")
 
+    def start(self, runtime: str, rolling_back: bool) -> None:
+        t0 = self.clock.monotonic()
+        if rolling_back:
+            self.progress("rolling back", f"starting {runtime} again")
+        elif self.started_at is None:
+            self.started_at = self.clock.time()
+        timings = self.edges.start(runtime)
+        if not rolling_back:
+            self.phases.update({SUB_STATE_PHASE.get(k, k): v for k, v in timings.items()})
+            self.phases["unit"] = self.clock.monotonic() - t0
+
     def roll_back(self, plan: plans.Plan, failure: ApplianceError) -> SwitchResult:
         """The plan's rollback, still held; then the error, recorded."""
-        self.lock.note(phase="rollback")
+        self.edges.note(phase="rollback")
         target = self.target
-        journal = systemd.journal_excerpt(self.lay.scope, target.unit, since=self.started_at)
-        reason = f"switch to {target.name} failed: {failure.message}"
+        journal = self.edges.journal(target, self.started_at)
+        reason = f"switch to {target} failed: {failure.message}"
         if journal:
             tail = "\n".join("    " + line for line in journal.splitlines()[-12:])
-            reason += f"\n  last lines of {target.unit}:\n{tail}"
+            reason += f"\n  last lines of {runtime_unit(target)}:\n{tail}"
         rolled_back = False
         try:
             self.apply(plan.rollback, rolling_back=True)
@@ -361,13 +283,10 @@ class _Run:
                 reason += f"\n  rolled back: {self.previous} is serving again"
         result = self.result(ok=False, rolled_back=rolled_back, error=reason, journal=journal)
         self.hold.close()
-        unrecorded = state.record_switch(
-            self.lay.state_dir,
-            {**result.record(), "interrupted": self.interrupts.received is not None},
-        )
+        unrecorded = self.record(result, interrupted=self.interrupts.received is not None)
         raise ApplianceError(
             reason + (f"\n{unrecorded}" if unrecorded else ""),
-            hint=f"journal: {' '.join(systemd.journal_command(self.lay.scope, target.unit, 50))}",
+            hint=f"journal: {self.edges.journal_command(target)}",
             code="switch_failed",
-            details={"switch": result.record(), "journal": journal},
+            details={"switch": result.record(self.clock.time()), "journal": journal},
         ) from failure

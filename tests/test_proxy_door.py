@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from appliance.proxy import checks as proxy_checks
 from appliance.proxy import door as proxy_gate
+from appliance.proxy import hold
 
 KEY = "sk-b70-right"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -645,9 +646,11 @@ class Ready:
     def __init__(self, clock: Clock, waits: list[float | None]) -> None:
         self.clock, self.waits = clock, list(waits)
         self.asked: list[float] = []
+        self.tokens: list[str | None] = []
 
-    async def __call__(self, limit_s: float) -> float | None:
+    async def __call__(self, limit_s: float, token: str | None) -> float | None:
         self.asked.append(limit_s)
+        self.tokens.append(token)
         waited = self.waits.pop(0) if self.waits else 0.0
         if waited is None:
             self.clock.now += limit_s
@@ -670,7 +673,16 @@ def test_a_request_whose_runtime_died_waits_and_is_sent_again_whole() -> None:
     answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", body, AUTH)
     assert (answer.status, answer.body) == (200, b'{"ok": true}')
     assert inner.bodies == [body, body]
-    assert ready.asked == [60]
+    assert ready.asked == [60] and ready.tokens == [None]
+
+
+def test_a_switch_own_request_sent_again_waits_with_its_hold_token() -> None:
+    """The switch's verification must not wait behind the switch's own hold."""
+    clock = Clock()
+    inner, ready = Failing(fails=1), Ready(clock, [0.5])
+    headers = {**AUTH, hold.BYPASS_HEADER: "t0ken"}
+    answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", chat(), headers)
+    assert answer.status == 200 and ready.tokens == ["t0ken"]
 
 
 def test_it_is_sent_again_at_most_twice_then_litellms_answer_goes_out() -> None:
@@ -736,3 +748,24 @@ def test_without_a_hold_nothing_is_kept_back() -> None:
 )
 def test_the_hold_time_comes_from_the_environment(value: str, hold_s: float) -> None:
     assert proxy_gate.hold_seconds({"B70_HOLD_S": value} if value else {}) == hold_s
+
+
+def test_a_request_let_through_is_open_until_its_answer_ends(tmp_path: Any) -> None:
+    """The door gives each request to the model a ticket; the hold's gate opens it when it lets
+    the request through (here: the app, in LiteLLM's place), the door closes it at the end."""
+    counts = hold.OpenRequests(tmp_path)
+    seen: list[int | None] = []
+
+    class Counting(Failing):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            ticket = hold.TICKET.get()
+            assert ticket is not None
+            ticket.open(counts)
+            seen.append(hold.read_open(tmp_path))
+            await super().__call__(scope, receive, send)
+
+    answer = call(replaying(Counting(fails=0), Ready(Clock(), []), Clock()), "POST",
+                  "/v1/chat/completions", chat(), AUTH)  # fmt: skip
+    assert answer.status == 200
+    assert seen == [1] and hold.read_open(tmp_path) == 0
+    assert hold.TICKET.get() is None

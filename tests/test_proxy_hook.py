@@ -156,6 +156,51 @@ def test_held_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> Non
     assert not (tmp_path / hold.HELD_DIR / "999999999.json").exists()
 
 
+def test_requests_let_through_are_counted_open_until_answered_and_not_while_held(
+    tmp_path: Path,
+) -> None:
+    """The drain's count: a request is open from the moment the gate lets it through until the
+    door closes its ticket; one that waits at the hold is not open while it waits."""
+    clock, backend = Clock(), Backend()
+    g = gate(tmp_path, backend, clock, hold_s=5)
+    assert hold.read_open(tmp_path) is None, "no count before the proxy counted anything"
+
+    async def requests() -> None:
+        first, second = hold.Ticket(), hold.Ticket()
+        hold.TICKET.set(first)
+        await g.wait()
+        assert hold.read_open(tmp_path) == 1
+        with hold.marked(tmp_path, "vllm"):
+            hold.TICKET.set(second)
+            waiting = asyncio.create_task(g.wait())
+            await asyncio.sleep(0)
+            assert hold.read_open(tmp_path) == 1, "a held request is not open"
+            first.close()
+            assert hold.read_open(tmp_path) == 0, "drained: the switch may stop the runtime"
+        await waiting
+        assert hold.read_open(tmp_path) == 1
+        second.close()
+        second.close()  # closing twice counts once
+        assert hold.read_open(tmp_path) == 0
+
+    asyncio.run(requests())
+
+
+def test_open_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> None:
+    code = (
+        "import os, sys; from pathlib import Path; from appliance.proxy import hold\n"
+        "counts = hold.OpenRequests(Path(sys.argv[1])); counts.add(+3)\n"
+        "print(hold.read_open(Path(sys.argv[1])), flush=True); os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, text=True,
+                         capture_output=True).stdout  # fmt: skip
+    assert out.strip() == "3", "counted while the worker lived"
+    assert hold.read_open(tmp_path) == 0, "its slot is not locked any more: not counted"
+    here = hold.OpenRequests(tmp_path)
+    here.add(+2)
+    assert hold.read_open(tmp_path) == 2, "a new worker takes a free slot from zero"
+
+
 def test_the_hook_answers_503_with_retry_after(tmp_path: Path) -> None:
     clock = Clock()
     hook = proxy_hook.HoldHook(gate(tmp_path, Backend(healthy=False), clock, hold_s=20))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import errors, files, monitor, state, switching
+from appliance import edges, errors, files, monitor, state
 from appliance.layout import LAST_SWITCH
 from appliance.plans import Memory
 from appliance.proxy import hold
@@ -44,7 +44,7 @@ def test_a_hold_mark_that_cannot_be_written_is_a_clear_error(
     monkeypatch.setattr(hold, "_write", full)
     with pytest.raises(hold.Unwritable), hold.marked(tmp_path, "vllm"):
         pass
-    with pytest.raises(errors.ApplianceError) as e, switching.holding(tmp_path, "vllm"):
+    with pytest.raises(errors.ApplianceError) as e, edges.holding(tmp_path, "vllm"):
         pass
     assert e.value.code == "state_unwritable"
     assert "nothing was changed" in e.value.message and str(tmp_path) in e.value.hint

@@ -36,7 +36,8 @@ lifespan adds pass-through endpoints), and the body checks need a layer before L
 anyway. The outermost layer also sees each path before any of LiteLLM's middleware can rewrite
 it.
 
-Imported by the proxy: nothing from the rest of the controller but appliance.proxy.checks.
+Imported by the proxy: nothing from the rest of the controller but appliance.proxy.checks and
+appliance.proxy.hold.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
+from appliance.proxy import hold
 from appliance.proxy.checks import CHAT, COMPLETION, Backend, Refusal, check_request, parse_body
 
 Scope = Mapping[str, Any]
@@ -60,9 +62,11 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Any, Receive, Send], Awaitable[None]]
 # Waits until the runtime serves again, at most the seconds given; the seconds waited, or None.
-WaitReady = Callable[[float], Awaitable[float | None]]
+# The token is the request's hold token (a switch's own request passes the switch's hold).
+WaitReady = Callable[[float, str | None], Awaitable[float | None]]
 
 MIB = 1024 * 1024
+BYPASS_HEADER = hold.BYPASS_HEADER.encode()
 DEFAULT_MAX_BODY_BYTES = 8 * MIB
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -195,6 +199,17 @@ class Door:
         sent again, within the hold time from its arrival. At most REPLAYS times: a request
         that kills the runtime each time it is sent must not keep killing it. An answer that
         has begun (a stream's first event) is never taken back."""
+        ticket = hold.Ticket()  # opened by the hold's gate when it lets the request through
+        context = hold.TICKET.set(ticket)
+        try:
+            await self._forward(scope, body, receive, send, arrived)
+        finally:
+            ticket.close()
+            hold.TICKET.reset(context)
+
+    async def _forward(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, arrived: float
+    ) -> None:
         for attempt in range(REPLAYS + 1):
             held = _HeldFailure(send) if self.wait_ready is not None else None
             await self.app(scope, _replay(body, receive), held or send)
@@ -205,7 +220,7 @@ class Door:
                 await held.release()
                 return
             assert self.wait_ready is not None
-            waited = await self.wait_ready(left)
+            waited = await self.wait_ready(left, _header(scope, BYPASS_HEADER))
             if waited is None:
                 await _runtime_gone(self.clock() - arrived, self.hold_s).send(send)
                 return

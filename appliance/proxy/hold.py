@@ -5,15 +5,20 @@ removes it once the new one is verified (or the old one is back). The mark names
 process; a mark whose process is gone (a killed switch) holds nothing. It also carries a token:
 the switch's own requests through the proxy (verify, gates) send it and pass the hold.
 
-The proxy's workers count the requests they hold in one small file each, for the monitor.
+The proxy's workers count the requests they hold in one small file each, for the monitor, and
+the requests they let through and have not answered in a shared one, for the switch's drain.
 This module is imported by the proxy, so it stays free of the rest of the controller.
 """
 
 from __future__ import annotations
 
+import contextvars
+import fcntl
 import json
+import mmap
 import os
 import secrets
+import struct
 import tempfile
 import time
 from collections.abc import Iterator
@@ -152,3 +157,113 @@ def read_counts(state_dir: Path) -> HeldCounts:
         except (KeyError, ValueError, TypeError):
             continue
     return out
+
+
+# --- what the proxy's workers let through and have not answered yet, for the drain --------------
+
+OPEN_FILE = "open"  # in HELD_DIR: one slot per worker, (pid, requests open), native int64s
+SLOT = struct.Struct("=qq")
+SLOTS = 256
+_LOCK = struct.Struct("@hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
+
+
+def _slot_lock(fd: int, command: int, kind: int, slot: int) -> int:
+    """An open-file-description lock (fcntl(2), F_OFD_*) on one slot; the lock's type after
+    the call (F_OFD_GETLK: F_UNLCK when nobody holds the slot)."""
+    request = _LOCK.pack(kind, os.SEEK_SET, slot * SLOT.size, SLOT.size, 0)
+    return int(_LOCK.unpack(fcntl.fcntl(fd, command, request))[0])
+
+
+class OpenRequests:
+    """This worker's count of the requests it let past the hold that have not been answered.
+
+    The count lives in one slot of a small file shared by the proxy's workers, mapped into
+    memory, so counting costs no system call. A worker owns its slot by holding a lock on it;
+    the kernel lets go of the lock when the worker dies, so the drain (`read_open`) counts only
+    the slots of live workers. Open-file-description locks, not process-wide ones: nothing else
+    in the worker that opens and closes the file can drop them, and a forked worker does not
+    share its parent's slot."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / HELD_DIR / OPEN_FILE
+        self.pid: int | None = None
+        self.map: mmap.mmap | None = None
+        self.offset = 0
+        self.value = 0
+
+    def add(self, n: int) -> None:
+        if self.pid != os.getpid():
+            self.map, self.pid, self.value = self._attach(), os.getpid(), 0
+        if self.map is None:
+            return  # the file cannot be shared: the drain falls back to the runtime's metrics
+        self.value = max(0, self.value + n)
+        SLOT.pack_into(self.map, self.offset, self.pid, self.value)
+
+    def _attach(self) -> mmap.mmap | None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            return None
+        try:
+            os.fchmod(fd, 0o644)
+            if os.fstat(fd).st_size < SLOTS * SLOT.size:
+                os.ftruncate(fd, SLOTS * SLOT.size)
+            for slot in range(SLOTS):
+                try:
+                    _slot_lock(fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, slot)
+                except OSError:
+                    continue  # another worker's
+                shared = mmap.mmap(fd, SLOTS * SLOT.size)
+                self.offset = slot * SLOT.size
+                SLOT.pack_into(shared, self.offset, os.getpid(), 0)
+                return shared  # the fd stays open, and with it the lock, for the worker's life
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+
+class Ticket:
+    """One request's place in its worker's open count: open while it is let through to the
+    runtime, closed while it waits at the hold and when its answer has ended."""
+
+    def __init__(self) -> None:
+        self.counted: OpenRequests | None = None
+
+    def open(self, counts: OpenRequests) -> None:
+        if self.counted is None:
+            counts.add(+1)
+            self.counted = counts
+
+    def close(self) -> None:
+        if self.counted is not None:
+            self.counted.add(-1)
+            self.counted = None
+
+
+# The request being answered, set by the door for the hold's gate (same task, same context).
+TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("b70_ticket", default=None)
+
+
+def read_open(state_dir: Path) -> int | None:
+    """Requests the proxy's live workers let past the hold and have not answered; None when the
+    proxy does not count them (no file yet, or it cannot be read)."""
+    try:
+        fd = os.open(state_dir / HELD_DIR / OPEN_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, SLOTS * SLOT.size, 0)
+        total = 0
+        for slot in range(len(data) // SLOT.size):
+            pid, value = SLOT.unpack_from(data, slot * SLOT.size)
+            if pid and value > 0:
+                held = _slot_lock(fd, fcntl.F_OFD_GETLK, fcntl.F_RDLCK, slot)
+                if held != fcntl.F_UNLCK:
+                    total += value
+        return total
+    except OSError:
+        return None
+    finally:
+        os.close(fd)

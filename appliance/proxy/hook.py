@@ -72,6 +72,7 @@ class Gate:
         self.healthy_until = -math.inf
         self.counts = hold_mark.HeldCounts()
         self.counts_written = False
+        self.open_requests = hold_mark.OpenRequests(state_dir)
 
     async def blocked(self, token: str | None) -> str | None:
         """Why a request must wait now, or None."""
@@ -86,15 +87,26 @@ class Gate:
         return "the backend is not healthy"
 
     async def wait(self, token: str | None = None, limit_s: float | None = None) -> float:
-        """Seconds waited; raises HoldTimeout when the hold time (or `limit_s`) runs out."""
-        why = await self.blocked(token)
-        if why is None:
-            return 0.0
+        """Seconds waited; raises HoldTimeout when the hold time (or `limit_s`) runs out.
+
+        The request being answered (the door's ticket) is counted open before the mark is read
+        and closed while it waits: a drain that reads the open count after writing the mark
+        sees every request that got past it."""
+        ticket = hold_mark.TICKET.get()
+        start: float | None = None
         limit = self.hold_s if limit_s is None else min(limit_s, self.hold_s)
-        start = self.clock()
-        self._count(now=+1, total=+1)
         try:
-            while why is not None:
+            while True:
+                if ticket is not None:
+                    ticket.open(self.open_requests)
+                why = await self.blocked(token)
+                if why is None:
+                    return 0.0 if start is None else self.clock() - start
+                if ticket is not None:
+                    ticket.close()
+                if start is None:
+                    start = self.clock()
+                    self._count(now=+1, total=+1)
                 waited = self.clock() - start
                 if waited >= limit:
                     self._count(timed_out=+1)
@@ -102,10 +114,9 @@ class Gate:
                         why, waited, retry_after_s=max(1, round(min(self.hold_s / 4, 30)))
                     )
                 await self.sleep(min(POLL_S, limit - waited))
-                why = await self.blocked(token)
-            return self.clock() - start
         finally:
-            self._count(now=-1)
+            if start is not None:
+                self._count(now=-1)
 
     def _count(self, now: int = 0, total: int = 0, timed_out: int = 0) -> None:
         self.counts.now += now
@@ -202,11 +213,12 @@ class HoldHook(CustomLogger):
 PROVIDER_ERROR = "Hosted_vllmException"  # LiteLLM's name for errors of the hosted_vllm route
 
 
-async def wait_ready(limit_s: float) -> float | None:
-    """For the door: hold a request whose runtime died until it serves again (or `limit_s`)."""
+async def wait_ready(limit_s: float, token: str | None) -> float | None:
+    """For the door: hold a request whose runtime died until it serves again (or `limit_s`).
+    `token`: the request's hold token; a switch's own verification passes its own hold."""
     hold.gate.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
     try:
-        return await hold.gate.wait(limit_s=limit_s)
+        return await hold.gate.wait(token, limit_s=limit_s)
     except HoldTimeout:
         return None
 
