@@ -9,7 +9,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from appliance import gate, health, runtimes, state, systemd
+from appliance import health, runtimes, state, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError
 from appliance.layout import Layout
@@ -144,6 +144,8 @@ class SystemEdges:
         return verify_through_proxy(self.config, self.lay, token)
 
     def gate(self, runtime: str, token: str | None) -> None:
+        from appliance import gate  # httpx: imported only when a switch runs the gates
+
         gate.require(gate.through_proxy(self.config, self.lay, runtime, token=token))
 
     def enable(self, runtime: str) -> None:

@@ -18,8 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from appliance import gpu, health, runtimes, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError, from_exception
@@ -91,15 +89,11 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation
 def _probe_completion(url: str, model: str, timeout_s: float) -> tuple[bool, str]:
     body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
     try:
-        r = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
-    except httpx.TimeoutException:
-        return False, f"probe completion: no answer within {timeout_s:g} s"
-    except httpx.HTTPError as e:
-        return False, f"probe completion: {e}"
-    return (
-        r.status_code == 200,
-        "ok" if r.status_code == 200 else f"probe completion: HTTP {r.status_code}",
-    )
+        answer = health.request("POST", url + "/v1/completions", timeout_s, body=body)
+    except health.NoAnswer as e:
+        return False, f"probe completion: {e.detail}"
+    ok = answer.status == 200
+    return ok, "ok" if ok else f"probe completion: HTTP {answer.status}"
 
 
 def act(

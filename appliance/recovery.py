@@ -13,7 +13,7 @@ from appliance.errors import ApplianceError
 from appliance.layout import Layout, layout
 from appliance.proxy import hold as hold_mark
 from appliance.units import (
-    POLL_S,
+    LOOK_S,
     Progress,
     enable_only,
     no_progress,
@@ -86,7 +86,7 @@ def recover_killed(
 def _wait_settled(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while sd.state(unit).job_pending and time.monotonic() < deadline:
-        time.sleep(POLL_S)
+        sd.wait_change(min(LOOK_S, max(0.0, deadline - time.monotonic())))
 
 
 def recover_killed_switch(

@@ -18,6 +18,10 @@ from appliance import run
 from appliance.errors import ApplianceError
 from appliance.layout import Scope
 
+DESTINATION = b"org.freedesktop.systemd1"
+UNIT_INTERFACE = b"org.freedesktop.systemd1.Unit"
+SERVICE_INTERFACE = b"org.freedesktop.systemd1.Service"
+
 
 @dataclass(frozen=True)
 class UnitState:
@@ -78,46 +82,67 @@ class Systemd:
 
         self._manager = Manager(bus=bus)
         self._manager.load()
+        self._subscribed = False
 
     @property
     def manager(self) -> Any:
         return self._manager.Manager
 
-    def _unit(self, name: str) -> Any:
-        from pystemd.systemd1 import Unit
+    def _get(self, name: str, interface: bytes, prop: bytes, kind: bytes) -> Any:
+        from pystemd.dbuslib import path_encode
 
-        unit = Unit(name.encode(), bus=self.bus)
-        unit.load()
-        return unit
+        path = path_encode(b"/org/freedesktop/systemd1/unit", name.encode())
+        return self.bus.get_property(DESTINATION, path, interface, prop, kind)
 
     def state(self, name: str) -> UnitState:
-        unit = self._unit(name)
-        props = unit.Unit
+        """The unit's state, read property by property: one Get each costs a fraction of a
+        millisecond, where pystemd's Unit().load() introspects the unit first and GetAll reads
+        the hundreds of properties of a service."""
+
+        def unit(prop: bytes, kind: bytes) -> Any:
+            return self._get(name, UNIT_INTERFACE, prop, kind)
+
+        def service(prop: bytes, kind: bytes) -> Any:
+            return self._get(name, SERVICE_INTERFACE, prop, kind) if is_service else None
+
         is_service = name.endswith(".service")
-        service = unit.Service if is_service else None
-        load_state = _text(props.LoadState)
-        invocation = props.InvocationID
         from pystemd.dbusexc import DBusFileNotFoundError, DBusNoSuchUnitError
 
         try:
             file_state = _text(self.manager.GetUnitFileState(name.encode()))
         except (DBusFileNotFoundError, DBusNoSuchUnitError):  # no unit file: nothing to enable
             file_state = None
-        main_pid = int(service.MainPID) if service is not None else 0
+        invocation = unit(b"InvocationID", b"ay")
+        main_pid = service(b"MainPID", b"u")
+        result, status = service(b"Result", b"s"), service(b"ExecMainStatus", b"i")
+        restarts = service(b"NRestarts", b"u")
         return UnitState(
             name=name,
-            load_state=load_state,
-            active_state=_text(props.ActiveState),
-            sub_state=_text(props.SubState),
-            result=_text(service.Result) if service is not None else None,
-            main_pid=main_pid or None,
+            load_state=_text(unit(b"LoadState", b"s")),
+            active_state=_text(unit(b"ActiveState", b"s")),
+            sub_state=_text(unit(b"SubState", b"s")),
+            result=_text(result) if result is not None else None,
+            main_pid=int(main_pid or 0) or None,
             invocation_id=bytes(invocation).hex() if invocation else None,
-            active_enter_us=int(props.ActiveEnterTimestamp) or None,
-            exec_main_status=int(service.ExecMainStatus) if service is not None else None,
-            job_pending=int(props.Job[0]) != 0,
+            active_enter_us=int(unit(b"ActiveEnterTimestamp", b"t")) or None,
+            exec_main_status=int(status) if status is not None else None,
+            job_pending=int(unit(b"Job", b"(uo)")[0]) != 0,
             unit_file_state=file_state,
-            n_restarts=int(service.NRestarts) if service is not None else None,
+            n_restarts=int(restarts) if restarts is not None else None,
         )
+
+    def wait_change(self, timeout_s: float) -> None:
+        """Wait until the manager says something (a unit's properties changed, a job ended) or
+        `timeout_s` passes. On the manager's private socket systemd sends every unit's signals
+        to every client; on the system bus it sends them to subscribers, hence Subscribe()."""
+        if not self._subscribed:
+            self._subscribed = True
+            with contextlib.suppress(Exception):  # without signals this waits out the timeout
+                self.manager.Subscribe()
+        self.bus.wait(max(1, int(timeout_s * 1_000_000)))
+        for _ in range(256):  # what came: read and let go (no callback is registered)
+            if self.bus.process().is_empty():
+                break
 
     def start(self, name: str, mode: str = "replace") -> None:
         self._call("start", name, lambda: self.manager.StartUnit(name.encode(), mode.encode()))

@@ -11,7 +11,8 @@ from appliance.config import Config
 from appliance.errors import ApplianceError
 
 Progress = Callable[[str, str], None]
-POLL_S = 0.1
+# The waits wake when systemd signals a change, and at least this often to look anyway.
+LOOK_S = 0.5
 
 
 def no_progress(phase: str, detail: str) -> None:
@@ -58,7 +59,7 @@ def wait_started(
                 f"{unit} did not become active within {timeout_s:.0f} s (still {st.sub_state})",
                 code="start_timeout",
             )
-        time.sleep(POLL_S)
+        sd.wait_change(min(LOOK_S, start + timeout_s - now))
 
 
 def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
@@ -67,7 +68,7 @@ def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
         st = sd.state(unit)
         if st.active_state in {"inactive", "failed"} and not st.job_pending:
             return
-        time.sleep(POLL_S)
+        sd.wait_change(min(LOOK_S, max(0.0, deadline - time.monotonic())))
     raise ApplianceError(f"{unit} did not stop within {timeout_s:.0f} s", code="stop_timeout")
 
 

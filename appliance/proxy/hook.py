@@ -225,6 +225,10 @@ async def wait_ready(limit_s: float, token: str | None) -> float | None:
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
 hold = HoldHook(backend=door.install_in_proxy(wait_ready))
+if hold.backend is not None and "B70_STATE_DIR" in os.environ:
+    # This process's slot in the open count now, so a drain before the first request reads 0
+    # from the proxy rather than falling back to the runtime's metrics.
+    hold.gate.open_requests.add(0)
 
 
 # --- the API key --------------------------------------------------------------------------------
