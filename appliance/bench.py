@@ -14,12 +14,14 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
 
+from appliance.config import Config
+from appliance.layout import Scope
 from appliance.runtimes import RUNNING_METRICS, metric_sum
 
 SAMPLE_EVERY_S = 0.5  # often enough to prove concurrency, rarely enough not to load the server
@@ -307,3 +309,50 @@ def _detokenize(client: httpx.Client, engine: str, model: str, ids: list[int]) -
     r = client.post("/detokenize", json={"model": model, "tokens": ids})
     r.raise_for_status()
     return str(r.json()["prompt"])
+
+
+def target(
+    load_config: Callable[[], Config], scope: Scope, o: Mapping[str, Any]
+) -> tuple[Workload, str, str, dict[str, Any]]:
+    """`b70ctl bench`'s workload, the runtime's URL and metrics, and which runtime serves: from
+    the options, and from the config and systemd for what they leave out."""
+    from appliance import runtimes
+
+    runtime: dict[str, Any] = {
+        "name": None,
+        "engine": o["engine"],
+        "unit": None,
+        "invocation_id": None,
+    }
+    config = None
+    if not (o["url"] and o["model"] and o["runtime_url"] and o["engine"]):
+        config = load_config()
+    url = o["url"] or runtimes.proxy_url(config)  # type: ignore[arg-type]
+    runtime_url = o["runtime_url"] or runtimes.backend_url(config)  # type: ignore[arg-type]
+    key = o["api_key"]
+    if config is not None:
+        from appliance import state, systemd, units
+        from appliance.layout import layout
+
+        key = key or state.read_key(layout(scope))
+        with systemd.connect(scope) as sd:
+            name = units.require_serving(config, sd)
+            rt = config.runtimes[name]
+            runtime = {
+                "name": name,
+                "engine": rt.engine.value,
+                "unit": rt.unit,
+                "invocation_id": sd.state(rt.unit).invocation_id,
+            }
+        runtime["engine"] = o["engine"] or runtime["engine"]
+    w = Workload(
+        url=url,
+        model=o["model"] or (config.proxy.model if config else ""),
+        api_key=key or "none",
+        requests=o["n_requests"],
+        concurrency=o["concurrency"],
+        input_tokens=o["input_tokens"],
+        output_tokens=o["output_tokens"],
+        seed=o["seed"],
+    )
+    return w, runtime_url, runtime_url + "/metrics", runtime

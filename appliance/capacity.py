@@ -13,8 +13,10 @@ included) and the dtype and quantization choices:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
@@ -213,19 +215,7 @@ def plan(
     reserve_bytes: int = 0,
     batches: tuple[int, ...] = (1, 64),
 ) -> Plan:
-    choices: list[tuple[str, str, Mapping[str, Any]]] = [
-        ("dtype", dtype, DTYPE_BYTES),
-        ("kv dtype", kv_dtype, DTYPE_BYTES),
-        ("state dtype", state_dtype, DTYPE_BYTES),
-        ("quantization", quant, QUANT_BITS),
-    ]
-    for name, value, table in choices:
-        if value not in table:
-            raise ApplianceError(
-                f"unknown {name} {value!r}",
-                hint="one of: " + ", ".join(sorted(table)),
-                code="plan_input_invalid",
-            )
+    _check_choices(dtype=dtype, kv_dtype=kv_dtype, state_dtype=state_dtype, quant=quant)
     s = parse_shape(cfg)
     p = count_params(s)
     weights = weight_bytes(p, quant, dtype)
@@ -235,7 +225,6 @@ def plan(
     request = gdn + conv + kv * tokens
     budget = int(utilization * card_bytes) - (weights - cpu_offload_bytes) - reserve_bytes
     fits = max(budget, 0) // request if request else 0
-    scale = weights / p.total if p.total else 0.0
     per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
     active = (
         p.attention
@@ -244,23 +233,84 @@ def plan(
         + p.lm_head
         + int(s.layers * s.experts_per_tok * per_expert)
     )
-    steps = []
-    for batch in batches:
-        touched = s.layers * distinct_experts(s.experts, s.experts_per_tok, batch) * per_expert
-        read = (p.attention + p.linear + p.always + p.lm_head + touched) * scale
-        read += batch * (
-            2 * gdn + kv * tokens
-        )  # each request's state is read and written, its KV read
-        step_s = read / bandwidth
-        steps.append(
-            {
-                "batch": batch,
-                "bytes_read": read,
-                "step_ms": step_s * 1000,
-                "tokens_per_s": batch / step_s,
-            }
-        )
+    scale = weights / p.total if p.total else 0.0
+    steps = [
+        decode_step(s, p, batch, scale, per_expert, gdn, kv * tokens, bandwidth)
+        for batch in batches
+    ]
     return Plan(p.total, active, weights, gdn, conv, kv, request, budget, int(fits), steps)
+
+
+def _check_choices(**choices: str) -> None:
+    tables: dict[str, tuple[str, Mapping[str, Any]]] = {
+        "dtype": ("dtype", DTYPE_BYTES),
+        "kv_dtype": ("kv dtype", DTYPE_BYTES),
+        "state_dtype": ("state dtype", DTYPE_BYTES),
+        "quant": ("quantization", QUANT_BITS),
+    }
+    for key, value in choices.items():
+        name, table = tables[key]
+        if value not in table:
+            raise ApplianceError(
+                f"unknown {name} {value!r}",
+                hint="one of: " + ", ".join(sorted(table)),
+                code="plan_input_invalid",
+            )
+
+
+def decode_step(
+    s: Shape,
+    p: Params,
+    batch: int,
+    scale: float,
+    per_expert: float,
+    gdn: int,
+    kv_per_request: int,
+    bandwidth: float,
+) -> dict[str, float]:
+    """One memory-bound decode step of `batch` requests: the bytes it reads, and its speed."""
+    touched = s.layers * distinct_experts(s.experts, s.experts_per_tok, batch) * per_expert
+    read = (p.attention + p.linear + p.always + p.lm_head + touched) * scale
+    read += batch * (2 * gdn + kv_per_request)  # each request's state read and written, KV read
+    step_s = read / bandwidth
+    return {
+        "batch": batch,
+        "bytes_read": read,
+        "step_ms": step_s * 1000,
+        "tokens_per_s": batch / step_s,
+    }
+
+
+def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
+    """`b70ctl plan`: a Hugging Face config.json and the command's options."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ApplianceError(
+            f"{path}: not a readable JSON file: {e}", code="plan_input_invalid"
+        ) from None
+    if not isinstance(cfg, dict):
+        raise ApplianceError(f"{path}: not a JSON object", code="plan_input_invalid")
+    check_plan_inputs(options["utilization"], options["tokens"])
+    card_bytes, bandwidth = CARDS[options["card"]]
+    if options["card_gib"]:
+        card_bytes = int(options["card_gib"] * GIB)
+    if options["bandwidth_gbs"]:
+        bandwidth = options["bandwidth_gbs"] * 1e9
+    return plan(
+        cfg,
+        dtype=options["dtype"],
+        quant=options["quant"],
+        kv_dtype=options["kv_dtype"],
+        state_dtype=options["state_dtype"],
+        card_bytes=card_bytes,
+        bandwidth=bandwidth,
+        utilization=options["utilization"],
+        tokens=options["tokens"],
+        cpu_offload_bytes=int(options["cpu_offload_gib"] * GIB),
+        reserve_bytes=int(options["reserve_gib"] * GIB),
+        batches=tuple(options["batches"]) or (1, 64),
+    )
 
 
 def check_plan_inputs(utilization: float, tokens: int) -> None:

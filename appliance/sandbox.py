@@ -344,29 +344,35 @@ def runtime(config: Config, lay: Layout, rt: RuntimeConfig) -> list[Directive]:
         Directive("UMask", "0077"),
     ]
     if rt.launcher is Launcher.DOCKER:
-        out.append(Directive("MemoryDenyWriteExecute", "yes"))
-        # The docker CLI reads its settings from ~/.docker.
-        out += _files(lay, reads, state=None, home="read-only")
-        # The CLI talks to dockerd over its socket; the container (--network host) is not in
-        # this unit's cgroup, so its traffic is not limited here.
-        out += _loopback_only([config.backend.host])
-    else:
+        return out + _docker_cli(config, lay, reads)
+    return out + _native(lay, rt, reads)
+
+
+def _docker_cli(config: Config, lay: Layout, reads: list[str]) -> list[Directive]:
+    out = [Directive("MemoryDenyWriteExecute", "yes")]
+    # The docker CLI reads its settings from ~/.docker.
+    out += _files(lay, reads, state=None, home="read-only")
+    # The CLI talks to dockerd over its socket; the container (--network host) is not in this
+    # unit's cgroup, so its traffic is not limited here.
+    return out + _loopback_only([config.backend.host])
+
+
+def _native(lay: Layout, rt: RuntimeConfig, reads: list[str]) -> list[Directive]:
+    out = [
+        Directive(
+            "",
+            why="No MemoryDenyWriteExecute=: engines compile kernels at run time (oneAPI, "
+            "torch). No PrivateUsers=: CAP_PERFMON must count outside the unit.",
+        )
+    ]
+    if rt.engine is Engine.VLLM:
         out.append(
             Directive(
-                "",
-                why="No MemoryDenyWriteExecute=: engines compile kernels at run time (oneAPI, "
-                "torch). No PrivateUsers=: CAP_PERFMON must count outside the unit.",
+                "RestrictAddressFamilies",
+                "AF_NETLINK",
+                "vLLM's workers meet through torch.distributed (gloo), which lists the "
+                "network interfaces over netlink.",
             )
         )
-        if rt.engine is Engine.VLLM:
-            out.append(
-                Directive(
-                    "RestrictAddressFamilies",
-                    "AF_NETLINK",
-                    "vLLM's workers meet through torch.distributed (gloo), which lists the "
-                    "network interfaces over netlink.",
-                )
-            )
-        out += _files(lay, reads, state=None)
-        out += _cache(rt.unit, rt.env)
-    return out
+    out += _files(lay, reads, state=None)
+    return out + _cache(rt.unit, rt.env)

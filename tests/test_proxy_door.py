@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from appliance.proxy import checks as proxy_checks
 from appliance.proxy import door as proxy_gate
-from appliance.proxy import hold
+from appliance.proxy import hold, mount
 
 KEY = "sk-b70-right"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -577,8 +577,8 @@ def test_install_wraps_a_built_stack_in_place_and_an_unbuilt_one_when_it_is_buil
         if built:
             call(app, "GET", "/key/generate")  # the first call builds the stack
             assert app.middleware_stack is not None
-        assert proxy_gate.install(app, make)
-        assert not proxy_gate.install(app, make), "once"
+        assert mount.install(app, make)
+        assert not mount.install(app, make), "once"
         assert call(app, "GET", "/key/generate", headers=AUTH).status == 404
         answer = call(app, "GET", "/v1/models", headers=AUTH)
         assert (answer.status, json.loads(answer.body)) == (200, {"path": "/v1/models"})
@@ -586,7 +586,7 @@ def test_install_wraps_a_built_stack_in_place_and_an_unbuilt_one_when_it_is_buil
 
 
 def test_install_in_proxy_does_nothing_outside_the_proxy() -> None:
-    assert proxy_gate.install_in_proxy(None, {"B70_BACKEND_URL": "http://x"}) is None
+    assert mount.install_in_proxy(None, {"B70_BACKEND_URL": "http://x"}) is None
 
 
 @pytest.mark.parametrize(
@@ -594,7 +594,7 @@ def test_install_in_proxy_does_nothing_outside_the_proxy() -> None:
     [("", proxy_gate.DEFAULT_MAX_BODY_BYTES), ("1048576", 1048576), ("0", 8 << 20), ("x", 8 << 20)],
 )
 def test_the_body_limit_comes_from_the_environment(value: str, limit: int) -> None:
-    assert proxy_gate.max_body_bytes({"B70_MAX_BODY_BYTES": value}) == limit
+    assert mount.max_body_bytes({"B70_MAX_BODY_BYTES": value}) == limit
 
 
 # --- a request whose runtime died before it answered is sent again ----------------------------
@@ -747,7 +747,7 @@ def test_without_a_hold_nothing_is_kept_back() -> None:
     ("value", "hold_s"), [("", 300.0), ("120", 120.0), ("x", 300.0), ("inf", 300.0)]
 )
 def test_the_hold_time_comes_from_the_environment(value: str, hold_s: float) -> None:
-    assert proxy_gate.hold_seconds({"B70_HOLD_S": value} if value else {}) == hold_s
+    assert mount.hold_seconds({"B70_HOLD_S": value} if value else {}) == hold_s
 
 
 def test_a_request_let_through_is_open_until_its_answer_ends(tmp_path: Any) -> None:

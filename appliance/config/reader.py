@@ -4,14 +4,12 @@ dotted key (and list index) and what is wrong; reading never writes anything."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
-from enum import StrEnum
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from appliance.config.model import (
     DEFAULT_COMMAND,
@@ -50,6 +48,7 @@ from appliance.config.values import (
     hosts_overlap,
     is_loopback,
 )
+from appliance.config.walk import Walker, kind_of
 from appliance.errors import ConfigError
 
 
@@ -112,79 +111,15 @@ def _refuse_control_characters(path: Path, data: object, key: str = "") -> None:
             _refuse_control_characters(path, value, f"{where}[{i}]")
 
 
-T = TypeVar("T")
+RUNTIME_KEYS = {
+    *("engine", "launcher", "model", "command", "image", "mmproj", "env", "args"),
+    *("devices", "volumes", "shm_size", "user"),
+    *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib"),
+}
 
 
-class _Reader:
-    """Walks the parsed TOML; every error carries the file and the dotted key."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, key: str, what: str, hint: str | None = None) -> ConfigError:
-        return ConfigError(f"{self.path}: {key}: {what}", hint=hint)
-
-    def table(self, data: Mapping[str, Any], key: str, prefix: str = "") -> Mapping[str, Any]:
-        value = data.get(key, {})
-        if not isinstance(value, dict):
-            raise self.fail(prefix + key, f"must be a table, not {_kind(value)}")
-        return value
-
-    def known(self, data: Mapping[str, Any], prefix: str, allowed: set[str]) -> None:
-        for key in data:
-            if key not in allowed:
-                raise self.fail(
-                    prefix + key,
-                    "unknown key",
-                    hint="known keys here: " + ", ".join(sorted(allowed)),
-                )
-
-    def get(
-        self,
-        data: Mapping[str, Any],
-        key: str,
-        prefix: str,
-        kind: type[T],
-        default: T | None = None,
-        check: Callable[[T], str | None] | None = None,
-    ) -> T:
-        full = prefix + key
-        if key not in data:
-            if default is None:
-                raise self.fail(full, "missing", hint=f"add {key} = ... to the file")
-            return default
-        value = data[key]
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise self.fail(full, f"must be {_article(kind)}, not {_kind(value)} ({value!r})")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise self.fail(full, f"{value} is not a finite number")
-        if check is not None:
-            problem = check(value)
-            if problem:
-                raise self.fail(full, problem)
-        return value
-
-    def strings(self, data: Mapping[str, Any], key: str, prefix: str) -> tuple[str, ...]:
-        value = data.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self.fail(prefix + key, f"must be a list of strings, not {value!r}")
-        return tuple(value)
-
-    def paths(
-        self, data: Mapping[str, Any], key: str, prefix: str, example: str
-    ) -> tuple[str, ...]:
-        """A list of absolute paths, each optionally followed by ':' and more (container maps)."""
-        values = self.strings(data, key, prefix)
-        for i, value in enumerate(values):
-            if not value.startswith("/"):
-                raise self.fail(
-                    f"{prefix}{key}[{i}]",
-                    f"{value!r} must start with an absolute path",
-                    f"e.g. {example}",
-                )
-        return values
+class _Reader(Walker):
+    """The appliance's sections of the config file."""
 
     def config(self, data: Mapping[str, Any]) -> Config:
         top = {
@@ -245,12 +180,6 @@ class _Reader:
                         "give each listener its own port",
                     )
             seen.append((name, section.host, section.port))
-
-    def path_value(self, data: Mapping[str, Any], key: str, prefix: str, default: str) -> str:
-        value = os.path.expanduser(self.get(data, key, prefix, str, default))
-        if not os.path.isabs(value):
-            raise self.fail(prefix + key, f"{value!r} must be an absolute path")
-        return value
 
     def proxy(self, t: Mapping[str, Any]) -> ProxyConfig:
         p = "proxy."
@@ -367,25 +296,7 @@ class _Reader:
     def runtime(self, name: str, t: Mapping[str, Any], gpu: GpuConfig) -> RuntimeConfig:
         p = f"runtimes.{name}."
         self.runtime_name(name)
-        allowed = {
-            "engine",
-            "launcher",
-            "model",
-            "command",
-            "image",
-            "mmproj",
-            "env",
-            "args",
-            "devices",
-            "volumes",
-            "shm_size",
-            "user",
-            "start_timeout_s",
-            "stop_timeout_s",
-            "restart_burst",
-            "memory_needed_gib",
-        }
-        self.known(t, p, allowed)
+        self.known(t, p, RUNTIME_KEYS)
         engine = self.choice(t, "engine", p, Engine, None)
         launcher = self.choice(t, "launcher", p, Launcher, Launcher.NATIVE)
         args = self.runtime_args(t, p, engine)
@@ -447,7 +358,7 @@ class _Reader:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise self.fail(p + "env." + key, "not a valid environment variable name")
             if not isinstance(value, str):
-                raise self.fail(p + "env." + key, f"must be a string, not {_kind(value)}")
+                raise self.fail(p + "env." + key, f"must be a string, not {kind_of(value)}")
         return env_table
 
     def command_or_image(
@@ -465,24 +376,3 @@ class _Reader:
         if command:
             raise self.fail(p + "command", "container launchers run the image's entrypoint")
         return command, image
-
-    def choice(
-        self, t: Mapping[str, Any], key: str, prefix: str, enum: type[StrEnum], default: Any
-    ) -> Any:
-        value = self.get(t, key, prefix, str, default.value if default else None)
-        try:
-            return enum(value)
-        except ValueError:
-            options = ", ".join(e.value for e in enum)
-            raise self.fail(prefix + key, f"{value!r} is not one of: {options}") from None
-
-
-def _kind(value: object) -> str:
-    return {dict: "a table", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _article(kind: type) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-    return names.get(kind, kind.__name__)

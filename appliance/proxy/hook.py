@@ -34,7 +34,7 @@ from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
-from appliance.proxy import checks, door
+from appliance.proxy import checks, door, mount
 from appliance.proxy import hold as hold_mark
 
 POLL_S = 0.2
@@ -224,7 +224,7 @@ async def wait_ready(limit_s: float, token: str | None) -> float | None:
 
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
-hold = HoldHook(backend=door.install_in_proxy(wait_ready))
+hold = HoldHook(backend=mount.install_in_proxy(wait_ready))
 if hold.backend is not None and "B70_STATE_DIR" in os.environ:
     # This process's slot in the open count now, so a drain before the first request reads 0
     # from the proxy rather than falling back to the runtime's metrics.

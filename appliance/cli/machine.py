@@ -1,0 +1,129 @@
+"""The commands about the machine: gpu (memory and who holds it), and the gates the rendered
+units run around their main process (unit pre, unit ready)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from appliance import output
+from appliance.cli.base import Context, cli, unitgate_log, with_json
+from appliance.errors import ApplianceError
+
+root_option = click.option(
+    "--root",
+    type=click.Path(path_type=Path),
+    hidden=True,
+    help="Read sysfs, /proc and /dev under this directory (fixture trees). Env: B70_SYSROOT.",
+)
+
+
+def gpu_root(root: Path | None) -> Path:
+    from appliance.gpu import sysroot
+
+    return root or sysroot()
+
+
+@cli.group(invoke_without_command=True)
+@root_option
+@with_json
+def gpu(ctx: Context, root: Path | None) -> None:
+    """List Intel GPUs, their memory, and who holds it (per process and unit).
+
+    \b
+    Example:
+      b70ctl gpu
+      b70ctl gpu --json | jq '.result.devices[0].free_bytes'
+    """
+    click_ctx = click.get_current_context()
+    if click_ctx.invoked_subcommand is not None:
+        return
+    from appliance import gpu as gpu_mod
+
+    snap = gpu_mod.snapshot(gpu_root(root))
+    output.show(ctx.json, output.gpu_document(snap), lambda: output.render_gpu(snap))
+
+
+@gpu.command("wait-free")
+@click.option(
+    "--need-bytes", type=int, default=0, show_default=True, help="Memory the start needs."
+)
+@click.option("--need-gib", type=float, help="The same in GiB.")
+@click.option("--device", default="auto", show_default=True, help="PCI address, or auto.")
+@click.option("--unit", help="The unit about to start (its own memory does not count).")
+@click.option(
+    "--timeout", "timeout_s", type=click.FloatRange(min=0), default=120, show_default=True
+)
+@root_option
+@with_json
+def gpu_wait_free(
+    ctx: Context,
+    need_bytes: int,
+    need_gib: float | None,
+    device: str,
+    unit: str | None,
+    timeout_s: float,
+    root: Path | None,
+) -> None:
+    """Wait until other runtimes have released GPU memory and enough is free.
+
+    Every runtime unit runs this as ExecStartPre. With no Intel GPU it passes at once.
+
+    \b
+    Example:
+      b70ctl gpu wait-free --need-gib 24 --timeout 120
+    """
+    from appliance.gpu import memgate
+
+    if need_bytes < 0 or (need_gib is not None and not 0 <= need_gib <= 1024**2):
+        raise ApplianceError(
+            "--need-bytes and --need-gib must be between 0 and 1 PiB",
+            code="usage_error",
+            exit_code=2,
+        )
+    need = int(need_gib * memgate.GIB) if need_gib is not None else need_bytes
+    memgate.wait_start(gpu_root(root), device, need, unit, timeout_s, unitgate_log)
+    output.show(ctx.json, {"device": device, "need_bytes": need, "free": True})
+
+
+@cli.group(hidden=True)
+def unit() -> None:
+    """Gates that the rendered units run around their main process (not for people)."""
+
+
+@unit.command("pre")
+@click.option("--port", type=int, required=True)
+@click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=10.0)
+@with_json
+def unit_pre(ctx: Context, port: int, wait_s: float) -> None:
+    """ExecStartPre: the backend port must be free."""
+    from appliance import unitgate
+
+    unitgate.pre(port, wait_s)
+    output.show(ctx.json, {"port": port, "free": True})
+
+
+@unit.command("ready")
+@click.option("--url", required=True)
+@click.option("--engine", required=True)
+@click.option("--pid", type=int, required=True)
+@click.option("--container")
+@click.option("--container-cli")
+@with_json
+def unit_ready(
+    ctx: Context, url: str, engine: str, pid: int, container: str | None, container_cli: str | None
+) -> None:
+    """ExecStartPost: wait until URL is healthy and served by PID's own process tree."""
+    from urllib.parse import urlsplit
+
+    from appliance import unitgate
+
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        port = None
+    if port is None:
+        raise ApplianceError(f"--url {url} names no valid port", code="usage_error", exit_code=2)
+    unitgate.ready(unitgate.ReadyTarget(url, engine, port, pid, container, container_cli))
+    output.show(ctx.json, {"url": url, "ready": True})

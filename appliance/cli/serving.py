@@ -1,0 +1,210 @@
+"""The commands that install the appliance and run it: render, install, uninstall, switch,
+status, monitor, logs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from appliance import output
+from appliance.cli.base import Context, cli, unitgate_log, with_json
+from appliance.errors import ApplianceError
+
+
+@cli.command()
+@click.option("--out", type=click.Path(path_type=Path), help="Write the files into this directory.")
+@click.option(
+    "--diff", is_flag=True, help="Show how the rendered files differ from the installed ones."
+)
+@with_json
+def render(ctx: Context, out: Path | None, diff: bool) -> None:
+    """Render the units and the proxy config from the config file.
+
+    \b
+    Example:
+      b70ctl --config examples/b70.toml render --out /tmp/units
+      b70ctl render --diff
+    """
+    from appliance.files import write_atomic
+    from appliance.install import render_diff
+    from appliance.layout import layout
+    from appliance.render import render_all
+
+    config = ctx.config()
+    if diff:
+        text = render_diff(config, ctx.scope)
+        output.show(ctx.json, {"changed": bool(text), "diff": text}, lambda: text.rstrip("\n"))
+        sys.exit(1 if text else 0)
+    files = render_all(config, layout(ctx.scope))
+    if out is None:
+        output.show(ctx.json, {"files": files}, lambda: output.render_listing(files))
+        return
+    for name, text in files.items():
+        write_atomic(out / name, text)
+    written = [str(out / name) for name in files]
+    output.show(ctx.json, {"written": written}, lambda: output.render_files(written))
+
+
+@cli.command()
+@click.option(
+    "--now/--no-now",
+    default=True,
+    show_default=True,
+    help="Start the proxy and, if none runs, the default runtime.",
+)
+@with_json
+def install(ctx: Context, now: bool) -> None:
+    """Install the rendered units, then daemon-reload and enable them.
+
+    Verifies the units with systemd-analyze first and writes nothing if that fails. Creates the
+    proxy's master key file (mode 0600) if it does not exist yet.
+
+    \b
+    Example:
+      sudo b70ctl install
+      b70ctl --user --config examples/demo.toml install
+    """
+    from appliance import install as install_mod
+
+    result = install_mod.install(ctx.config(), ctx.scope, now, output.progress)
+    doc = dataclasses.asdict(result)
+    output.show(ctx.json, doc, lambda: output.render_install(doc))
+
+
+@cli.command()
+@click.option(
+    "--purge",
+    is_flag=True,
+    help="Also delete the proxy key, the switch records and each unit's cache directory.",
+)
+@with_json
+def uninstall(ctx: Context, purge: bool) -> None:
+    """Stop and disable every b70 unit and remove the installed files.
+
+    \b
+    Example:
+      sudo b70ctl uninstall --purge
+    """
+    from appliance import install as install_mod
+
+    removed = install_mod.uninstall(ctx.config(), ctx.scope, purge)
+    output.show(ctx.json, {"removed": removed}, lambda: output.render_removed(removed))
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--restart", is_flag=True, help="Restart NAME even if it is already serving.")
+@click.option("--gate", is_flag=True, help="Run the validity gates before the switch counts.")
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    help="Seconds to wait for the old runtime's requests to finish (default: [proxy] drain_s).",
+)
+@with_json
+def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: float | None) -> None:
+    """Make runtime NAME the one serving, or roll back to the previous one and fail.
+
+    New requests wait at the proxy while the old runtime finishes what it has in flight, stops,
+    and NAME starts; clients see a slower answer, not an error.
+
+    \b
+    Example:
+      sudo b70ctl switch llamacpp
+    """
+    from appliance import switching, units
+
+    progress = output.progress if sys.stderr.isatty() or not ctx.json else units.no_progress
+    result = switching.switch(
+        ctx.config(), ctx.scope, name, restart, progress, gate, drain_s=drain_timeout
+    )
+    data = dataclasses.asdict(result)
+    data.pop("journal")
+    output.show(ctx.json, data, lambda: output.render_switch(data))
+
+
+@cli.command()
+@with_json
+def status(ctx: Context) -> None:
+    """Show which runtime serves, every b70 unit, health, and the last switch.
+
+    \b
+    Example:
+      b70ctl status --json | jq .result.active_runtime
+    """
+    from appliance import status as status_mod
+
+    result = status_mod.status(ctx.config(), ctx.scope)
+    output.show(ctx.json, result, lambda: output.render_status(result))
+
+
+@cli.command()
+@click.option("--once", is_flag=True, help="Take one sample, act on it, and exit.")
+@with_json
+def monitor(ctx: Context, once: bool) -> None:
+    """Watch the serving runtime: restart it when it hangs, fail over when it does not come back.
+
+    Runs as b70-monitor.service. Samples backend and proxy health, a probe completion, GPU
+    memory and the runtime's metrics every [monitor] interval_s, and serves Prometheus metrics
+    on [monitor] host:port.
+
+    \b
+    Example:
+      b70ctl monitor --once && curl -s http://127.0.0.1:9101/metrics | grep ^b70_
+    """
+    from appliance import monitor as monitor_mod
+
+    if ctx.json and not once:
+        raise ApplianceError(
+            "monitor runs until it is stopped; --json prints one sample",
+            hint="add --once",
+            code="usage_error",
+            exit_code=2,
+        )
+    sample = monitor_mod.run(ctx.config(), ctx.scope, unitgate_log, once=once)
+    output.show(ctx.json, sample)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("-n", "--lines", default=100, show_default=True, help="How many lines.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@with_json
+def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
+    """Show the journal of runtime NAME, of the proxy (NAME: proxy) or of the monitor.
+
+    \b
+    Example:
+      b70ctl logs vllm -n 50
+    """
+    from appliance import systemd
+    from appliance.layout import MONITOR_UNIT, PROXY_UNIT
+
+    if lines < 1:
+        raise ApplianceError(
+            f"--lines {lines}: must be at least 1", code="usage_error", exit_code=2
+        )
+    config = ctx.config()
+    own = {"proxy": PROXY_UNIT, "litellm": PROXY_UNIT, "monitor": MONITOR_UNIT}
+    unit = own[name] if name in own else config.runtime(name).unit
+    if ctx.json:
+        if follow:
+            raise ApplianceError(
+                "--follow prints lines as they come and does not go with --json",
+                hint="drop one of them",
+                code="usage_error",
+                exit_code=2,
+            )
+        text = systemd.journal_excerpt(ctx.scope, unit, lines)
+        output.show(True, {"unit": unit, "lines": text.splitlines()})
+        return
+    argv = systemd.journal_command(ctx.scope, unit, lines, follow)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as e:
+        raise ApplianceError(
+            f"cannot run journalctl: {e.strerror}", hint="install systemd"
+        ) from None

@@ -1,0 +1,104 @@
+"""Putting the door (appliance.proxy.door) in front of the LiteLLM proxy's app, once, from
+inside the proxy's worker, with its settings from the proxy unit's environment.
+
+Imported by the proxy: nothing from the rest of the controller but appliance.proxy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import os
+import sys
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from appliance.proxy.checks import Backend
+from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, ASGIApp, Door, WaitReady
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def router_models() -> Collection[str] | None:
+    """The model names LiteLLM's router serves (the model and its aliases), once it has them."""
+    server = sys.modules.get("litellm.proxy.proxy_server")
+    router = getattr(server, "llm_router", None)
+    names = getattr(router, "model_names", None)
+    if not names:
+        return None
+    return {*names, *(getattr(router, "model_group_alias", None) or {})}
+
+
+def max_body_bytes(env: Mapping[str, str]) -> int:
+    value = env.get("B70_MAX_BODY_BYTES", "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_BODY_BYTES
+
+
+def hold_seconds(env: Mapping[str, str]) -> float:
+    try:
+        value = float(env.get("B70_HOLD_S", "300"))
+    except ValueError:
+        return 300.0
+    return value if math.isfinite(value) and value >= 0 else 300.0
+
+
+def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
+    """Put the door in front of a Starlette app's middleware stack, built or not; once."""
+    if getattr(server_app, "_b70_door", False):
+        return False
+    server_app._b70_door = True
+    stack = server_app.middleware_stack
+    if stack is not None:
+        server_app.middleware_stack = make(stack)
+        return True
+    build = server_app.build_middleware_stack
+    server_app.build_middleware_stack = lambda: make(build())
+    return True
+
+
+def install_in_proxy(
+    wait_ready: WaitReady | None = None, env: Mapping[str, str] = os.environ
+) -> Backend | None:
+    """Put the door in front of the LiteLLM proxy's app, if this process runs one; its backend.
+    `wait_ready`: the request hold, for requests sent again after the runtime died."""
+    server = sys.modules.get("litellm.proxy.proxy_server")
+    app = getattr(server, "app", None)
+    if app is None or not hasattr(app, "middleware_stack"):
+        return None
+    url = env.get("B70_BACKEND_URL")
+    backend = Backend(url) if url else None
+    limit = max_body_bytes(env)
+    hold_s = hold_seconds(env)
+    install(
+        app,
+        lambda inner: Door(
+            inner, backend, router_models, max_body_bytes=limit, wait_ready=wait_ready,
+            hold_s=hold_s,
+        ),
+    )  # fmt: skip
+    give_large_blocks_back()
+    quiet_access_log()
+    return backend
+
+
+def quiet_access_log() -> None:
+    """No journal line per request. Under --run_gunicorn, LiteLLM's CLI gives gunicorn an access
+    log on stdout, and gunicorn's uvicorn workers write one line per request to it through the
+    `uvicorn.access` logger; that costs every request CPU here and in journald, which is why
+    LITELLM_LOG=ERROR already keeps LiteLLM's own per-request lines out."""
+    logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+
+
+def give_large_blocks_back() -> None:
+    """Make glibc return every block of 128 KiB or more to the system when it is freed.
+
+    Refused bodies are read (up to the limit) and parsed here, in blocks of up to megabytes. By
+    default glibc raises its mmap threshold each time such a block is freed, so the next ones come
+    from the heap and stay in the proxy's RSS: 10 refused 50 MB chunked bodies and 10 refused
+    8 MiB ones left it 16 MiB larger for good, and it grew on. A fixed threshold
+    (M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_=131072 in the environment would set) keeps it
+    within a few MiB. Elsewhere than glibc this does nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)
