@@ -1,5 +1,6 @@
-"""The request hold and the key check of appliance.proxy.hook, on a real mark file and a clock
-that the test moves; the same hook runs inside the real proxy in tests/test_hold_real.py."""
+"""The request hold of appliance.proxy.hold: the gate, the mark and the counts, on real files and
+a clock that the test moves; the same gate runs inside the real proxy in tests/test_hold_real.py
+(and under LiteLLM's hook in tests/test_proxy_hook_real.py)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-import litellm
 import pytest
-from litellm.proxy._types import ProxyException
 
-from appliance.proxy import checks as proxy_checks
 from appliance.proxy import hold
-from appliance.proxy import hook as proxy_hook
 
 
 class Clock:
@@ -44,8 +40,8 @@ class Backend:
         return self.healthy
 
 
-def gate(tmp_path: Path, backend: Backend, clock: Clock, hold_s: float = 10) -> proxy_hook.Gate:
-    return proxy_hook.Gate(tmp_path, backend, hold_s, clock=clock, sleep=clock.sleep)
+def gate(tmp_path: Path, backend: Backend, clock: Clock, hold_s: float = 10) -> hold.Gate:
+    return hold.Gate(tmp_path, backend, hold_s, clock=clock, sleep=clock.sleep)
 
 
 def test_a_healthy_backend_without_a_mark_lets_requests_through_at_once(tmp_path: Path) -> None:
@@ -54,7 +50,7 @@ def test_a_healthy_backend_without_a_mark_lets_requests_through_at_once(tmp_path
     assert asyncio.run(g.wait()) == 0.0
     assert asyncio.run(g.wait()) == 0.0
     assert backend.asked == 1, "a healthy answer is trusted for a while, not asked per request"
-    clock.now += proxy_hook.HEALTH_TTL_S + 0.01
+    clock.now += hold.HEALTH_TTL_S + 0.01
     asyncio.run(g.wait())
     assert backend.asked == 2
     assert clock.slept == []
@@ -83,12 +79,12 @@ def test_a_mark_holds_requests_until_it_is_gone(tmp_path: Path) -> None:
 def test_the_hold_runs_out_with_a_reason_and_a_retry_after(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend()
     g = gate(tmp_path, backend, clock, hold_s=8)
-    with hold.marked(tmp_path, "vllm"), pytest.raises(proxy_hook.HoldTimeout) as e:
+    with hold.marked(tmp_path, "vllm"), pytest.raises(hold.HoldTimeout) as e:
         asyncio.run(g.wait())
     assert e.value.why == "switching to vllm"
     assert e.value.waited_s == pytest.approx(8)
     assert e.value.retry_after_s == 2
-    assert max(clock.slept) <= proxy_hook.POLL_S
+    assert max(clock.slept) <= hold.POLL_S
     assert hold.read_counts(tmp_path) == hold.HeldCounts(now=0, total=1, timed_out=1)
 
 
@@ -96,10 +92,10 @@ def test_a_shorter_limit_ends_the_wait_sooner_and_never_a_longer_one(tmp_path: P
     """The door's wait for a runtime that died: what is left of the request's hold time."""
     clock, backend = Clock(), Backend(healthy=False)
     g = gate(tmp_path, backend, clock, hold_s=8)
-    with pytest.raises(proxy_hook.HoldTimeout) as e:
+    with pytest.raises(hold.HoldTimeout) as e:
         asyncio.run(g.wait(limit_s=3))
     assert e.value.waited_s == pytest.approx(3)
-    with pytest.raises(proxy_hook.HoldTimeout) as e:
+    with pytest.raises(hold.HoldTimeout) as e:
         asyncio.run(g.wait(limit_s=100))
     assert e.value.waited_s == pytest.approx(8)
 
@@ -110,7 +106,7 @@ def test_the_switch_own_token_passes_the_hold_and_a_wrong_one_does_not(tmp_path:
     with hold.marked(tmp_path, "vllm") as mark:
         assert asyncio.run(g.wait(mark.token)) == 0.0
         assert backend.asked == 0, "the switch verifies the runtime itself"
-        with pytest.raises(proxy_hook.HoldTimeout):
+        with pytest.raises(hold.HoldTimeout):
             asyncio.run(g.wait("0" * 32))
 
 
@@ -125,8 +121,8 @@ def test_an_unhealthy_backend_holds_until_it_answers(tmp_path: Path) -> None:
         backend.healthy = True
         return await waiter
 
-    assert asyncio.run(scenario()) == pytest.approx(3, abs=proxy_hook.POLL_S + 0.01)
-    with pytest.raises(proxy_hook.HoldTimeout, match="not healthy"):
+    assert asyncio.run(scenario()) == pytest.approx(3, abs=hold.POLL_S + 0.01)
+    with pytest.raises(hold.HoldTimeout, match="not healthy"):
         backend.healthy = False
         clock.now += 60
         asyncio.run(gate(tmp_path, backend, clock, hold_s=2).wait())
@@ -201,73 +197,3 @@ def test_open_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> Non
     assert hold.read_open(tmp_path) == 2, "a new worker takes a free slot from zero"
 
 
-def test_the_hook_answers_503_with_retry_after(tmp_path: Path) -> None:
-    clock = Clock()
-    hook = proxy_hook.HoldHook(gate(tmp_path, Backend(healthy=False), clock, hold_s=20))
-    data = {"model": "m", "proxy_server_request": {"headers": {}}}
-    with pytest.raises(ProxyException) as e:
-        asyncio.run(hook.async_pre_call_hook(None, None, data, "acompletion"))
-    assert e.value.code == "503"
-    assert e.value.headers == {"Retry-After": "5"}
-    assert "the backend is not healthy" in e.value.message
-    ok = proxy_hook.HoldHook(gate(tmp_path, Backend(healthy=True), clock))
-    assert asyncio.run(ok.async_pre_call_hook(None, None, data, "acompletion")) is data
-
-
-@pytest.mark.parametrize(
-    ("given", "status", "message"),
-    [
-        ("", 401, "no API key"),
-        ("Bearer ", 401, "no API key"),
-        ("Bearer sk-wrong", 401, "not the appliance's key"),
-        ("sk-b70-right-but-longer", 401, "not the appliance's key"),
-    ],
-)
-def test_a_missing_or_wrong_key_is_401(
-    monkeypatch: pytest.MonkeyPatch, given: str, status: int, message: str
-) -> None:
-    monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-b70-right")
-    with pytest.raises(ProxyException) as e:
-        asyncio.run(proxy_hook.authenticate(None, given))  # type: ignore[arg-type]
-    assert e.value.code == str(status)
-    assert e.value.headers == {"WWW-Authenticate": "Bearer"}
-    assert message in e.value.message
-
-
-def test_the_right_key_is_the_proxy_admin(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-b70-right")
-    auth = asyncio.run(proxy_hook.authenticate(None, "Bearer sk-b70-right"))  # type: ignore[arg-type]
-    assert auth.user_role == "proxy_admin"
-    assert auth.api_key  # LiteLLM keeps a hash of it
-
-
-def test_no_configured_key_accepts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("LITELLM_MASTER_KEY", raising=False)
-    with pytest.raises(ProxyException):
-        asyncio.run(proxy_hook.authenticate(None, "Bearer "))  # type: ignore[arg-type]
-    with pytest.raises(ProxyException):
-        asyncio.run(proxy_hook.authenticate(None, "Bearer anything"))  # type: ignore[arg-type]
-
-
-def llama_server(request: httpx.Request) -> httpx.Response:
-    """What llama-server answers the door about itself (the shapes of tests/test_door_real.py)."""
-    if request.url.path == "/v1/models":
-        return httpx.Response(200, json={"data": [{"id": "smollm2", "owned_by": "llamacpp"}]})
-    return httpx.Response(200, json={"default_generation_settings": {"n_ctx": 1024}})
-
-
-def test_errors_name_the_runtime_that_serves_not_litellms_provider_class() -> None:
-    said = '{"error": {"message": "the request exceeds the available context size"}}'
-
-    def failure(hook: proxy_hook.HoldHook) -> str:
-        error = litellm.BadRequestError(
-            message=f"Hosted_vllmException - {said}", model="smollm2", llm_provider="hosted_vllm"
-        )
-        assert asyncio.run(hook.async_post_call_failure_hook({}, error, None)) is None
-        return error.message
-
-    assert failure(proxy_hook.HoldHook()) == f"litellm.BadRequestError: the runtime - {said}"
-    backend = proxy_checks.Backend("http://runtime", transport=httpx.MockTransport(llama_server))
-    assert asyncio.run(backend.facts()) == proxy_checks.Facts("llama.cpp", 1024, "smollm2")
-    hook = proxy_hook.HoldHook(backend=backend)
-    assert failure(hook) == f"litellm.BadRequestError: the runtime (llama.cpp) - {said}"
