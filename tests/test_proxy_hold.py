@@ -195,5 +195,3 @@ def test_open_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> Non
     here = hold.OpenRequests(tmp_path)
     here.add(+2)
     assert hold.read_open(tmp_path) == 2, "a new worker takes a free slot from zero"
-
-
