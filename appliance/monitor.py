@@ -182,9 +182,11 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
     lay = layout(scope)
     mon = config.monitor
     exporter = metrics.Exporter(config)
-    exporter.serve(mon.host, mon.port)
     m = restore(lay.state_dir)
-    log(f"monitoring every {mon.interval_s:g} s; metrics on http://{mon.host}:{mon.port}/metrics")
+    if not once:  # one sample serves no scrape; and the monitor's unit may hold the port
+        exporter.serve(mon.host, mon.port)
+        where = f"http://{mon.host}:{mon.port}/metrics"
+        log(f"monitoring every {mon.interval_s:g} s; metrics on {where}")
     trouble: str | None = None  # what made the last sample fail, logged once while it lasts
     while True:
         try:

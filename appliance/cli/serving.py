@@ -142,7 +142,9 @@ def status(ctx: Context) -> None:
 
 
 @cli.command()
-@click.option("--once", is_flag=True, help="Take one sample, act on it, and exit.")
+@click.option(
+    "--once", is_flag=True, help="Take one sample, act on it, print it and exit (no metrics port)."
+)
 @with_json
 def monitor(ctx: Context, once: bool) -> None:
     """Watch the serving runtime: restart it when it hangs, fail over when it does not come back.
