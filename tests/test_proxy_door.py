@@ -14,6 +14,7 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from appliance.proxy import backend as proxy_backend
 from appliance.proxy import checks as proxy_checks
 from appliance.proxy import door as proxy_gate
 from appliance.proxy import hold, mount
@@ -100,7 +101,7 @@ def door(
     backend = None
     if runtime is not None:
         transport = httpx.MockTransport(runtime.handle)
-        backend = proxy_checks.Backend("http://runtime", clock or Clock(), transport)
+        backend = proxy_backend.Backend("http://runtime", clock or Clock(), transport)
     gate = proxy_gate.Door(inner, backend, lambda: MODELS, lambda: KEY, max_body_bytes=limit)
     return gate, inner
 
@@ -415,7 +416,7 @@ def test_a_kept_context_is_renewed_and_never_refuses_on_an_old_answer() -> None:
         clock.now += 5
         statuses.append(await acall(gate, chat(max_tokens=2000)))  # asked again before refusing
         runtime.context = 512
-        clock.now += proxy_checks.FACTS_TTL_S + 1
+        clock.now += proxy_backend.FACTS_TTL_S + 1
         statuses.append(await acall(gate, chat(max_tokens=1000)))  # passes on the kept answer ...
         while runtime.asked.count("GET /props") < 3:  # ... which is renewed behind it
             await asyncio.sleep(0)
@@ -451,7 +452,7 @@ async def acall(app: Any, body: bytes) -> int:
 def test_a_short_prompt_is_never_counted(engine: str) -> None:
     runtime = Runtime(engine, context=2048)
     gate, _ = door(runtime, limit=proxy_gate.DEFAULT_MAX_BODY_BYTES)
-    text = "x" * (2048 - proxy_checks.TEMPLATE_SLACK - 200)
+    text = "x" * (2048 - proxy_backend.TEMPLATE_SLACK - 200)
     assert call(gate, "POST", "/v1/chat/completions", chat(messages=[
         {"role": "user", "content": text}]), AUTH).status == 200  # fmt: skip
     assert not [a for a in runtime.asked if "tokenize" in a or "template" in a]
@@ -543,16 +544,16 @@ def test_a_foreign_server_on_the_backend_port_is_no_runtime() -> None:
     def foreign(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json={"data": ["not", "a", "runtime"]})
 
-    backend = proxy_checks.Backend("http://x", Clock(), httpx.MockTransport(foreign))
+    backend = proxy_backend.Backend("http://x", Clock(), httpx.MockTransport(foreign))
     assert asyncio.run(backend.facts()) is None
 
 
 def test_token_counts_are_read_from_the_raw_answers() -> None:
-    assert proxy_checks.count_field(b'{"count":3,"max_model_len":2048,"tokens":[1,2,3]}') == 3
-    assert proxy_checks.count_array(b'{"tokens": [1, 2, 3]}') == 3
-    assert proxy_checks.count_array(b'{"tokens":[]}') == 0
+    assert proxy_backend.count_field(b'{"count":3,"max_model_len":2048,"tokens":[1,2,3]}') == 3
+    assert proxy_backend.count_array(b'{"tokens": [1, 2, 3]}') == 3
+    assert proxy_backend.count_array(b'{"tokens":[]}') == 0
     with pytest.raises(ValueError):
-        proxy_checks.count_field(b'{"tokens": []}')
+        proxy_backend.count_field(b'{"tokens": []}')
 
 
 # --- installing it ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import litellm
 import pytest
 from litellm.proxy._types import ProxyException
 
-from appliance.proxy import checks as proxy_checks
+from appliance.proxy import backend as proxy_backend
 from appliance.proxy import hook as proxy_hook
 from tests.test_proxy_hold import Backend, Clock, gate
 
@@ -82,7 +82,7 @@ def test_errors_name_the_runtime_that_serves_not_litellms_provider_class() -> No
         return error.message
 
     assert failure(proxy_hook.HoldHook()) == f"litellm.BadRequestError: the runtime - {said}"
-    backend = proxy_checks.Backend("http://runtime", transport=httpx.MockTransport(llama_server))
-    assert asyncio.run(backend.facts()) == proxy_checks.Facts("llama.cpp", 1024, "smollm2")
+    backend = proxy_backend.Backend("http://runtime", transport=httpx.MockTransport(llama_server))
+    assert asyncio.run(backend.facts()) == proxy_backend.Facts("llama.cpp", 1024, "smollm2")
     hook = proxy_hook.HoldHook(backend=backend)
     assert failure(hook) == f"litellm.BadRequestError: the runtime (llama.cpp) - {said}"

@@ -51,7 +51,8 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from appliance.proxy import hold
-from appliance.proxy.checks import CHAT, COMPLETION, Backend, Refusal, check_request, parse_body
+from appliance.proxy.backend import CHAT, COMPLETION, Backend
+from appliance.proxy.checks import Refusal, check_request, parse_body
 
 Scope = Mapping[str, Any]
 Message = dict[str, Any]

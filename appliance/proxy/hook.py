@@ -31,7 +31,8 @@ from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
-from appliance.proxy import checks, door, mount
+from appliance.proxy import backend as backend_mod
+from appliance.proxy import door, mount
 from appliance.proxy import hold as hold_mark
 from appliance.proxy.hold import Gate, HoldTimeout, Probe
 
@@ -63,7 +64,9 @@ def _request_headers(data: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 class HoldHook(CustomLogger):
-    def __init__(self, gate: Gate | None = None, backend: checks.Backend | None = None) -> None:
+    def __init__(
+        self, gate: Gate | None = None, backend: backend_mod.Backend | None = None
+    ) -> None:
         super().__init__()
         self._gate = gate
         self.backend = backend  # the door's view of the runtime, to name it in errors

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from appliance.proxy.checks import Backend
+from appliance.proxy.backend import Backend
 from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, ASGIApp, Door, WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
