@@ -28,7 +28,7 @@ from appliance.layout import (
     layout,
     runtime_of,
 )
-from appliance.render import render_all
+from appliance.render import render_all, stamp
 from appliance.state import ensure_key
 from appliance.units import (
     Progress,
@@ -222,6 +222,7 @@ def _write(
     for name, text in changed.items():
         write_atomic(lay.destination(name), text)
     config_change = install_config(config, lay)
+    stamp(config, lay, files)
     if SYSUSERS in changed:
         create_users(lay.destination(SYSUSERS))
     sd.reload()

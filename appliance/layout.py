@@ -33,6 +33,7 @@ LAST_SWITCH = "last-switch.json"
 HISTORY = "switches.jsonl"
 MONITOR_STATE = "monitor.json"
 CANARY_FILE = "canaries.json"
+RENDERED = "rendered.json"  # what install last wrote, and from what (appliance.render.stamp)
 
 
 class Scope(StrEnum):

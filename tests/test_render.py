@@ -218,3 +218,34 @@ def test_stop_timeouts_nest_unit_over_container_over_vllm(launcher: str) -> None
     stop_s = flag_value(unit_value(unit, "ExecStop"), "--time")
     assert run_s == stop_s
     assert unit_s > stop_s > engine_s
+
+
+def test_preflight_knows_installed_files_are_current_without_rendering(tmp_path: Path) -> None:
+    """install's stamp: the same inputs and untouched files need no rendering (and no jinja2);
+    anything else is rendered and compared, naming the file that differs."""
+    from appliance import preflight
+    from appliance.errors import ApplianceError
+    from appliance.layout import PROXY_CONFIG, Layout
+    from appliance.render import installed_as_rendered, stamp
+
+    lay = Layout(Scope.USER, tmp_path / "units", tmp_path / "etc", tmp_path / "state")
+    cfg = config.parse(THREE, tmp_path / "three.toml")
+    files = render_all(cfg, lay)
+    names = ("b70-a.service", PROXY_CONFIG)
+    assert not installed_as_rendered(cfg, lay, names), "nothing installed, no stamp"
+    for name, text in files.items():
+        lay.destination(name).parent.mkdir(parents=True, exist_ok=True)
+        lay.destination(name).write_text(text)
+    stamp(cfg, lay, files)
+    assert installed_as_rendered(cfg, lay, names)
+    preflight.check_installed(cfg, lay, names)
+
+    other = config.parse(THREE.replace('"/m.gguf"', '"/n.gguf"'), cfg.path)
+    assert not installed_as_rendered(other, lay, names), "another config: another digest"
+    with pytest.raises(ApplianceError, match=r"b70-a\.service differs from what"):
+        preflight.check_installed(other, lay, names)
+
+    lay.destination(PROXY_CONFIG).write_text(files[PROXY_CONFIG] + "# edited by hand\n")
+    assert not installed_as_rendered(cfg, lay, names), "a file changed since install"
+    with pytest.raises(ApplianceError, match=r"litellm\.yaml differs from what"):
+        preflight.check_installed(cfg, lay, names)
