@@ -12,7 +12,6 @@ This module is imported by the proxy, so it stays free of the rest of the contro
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import fcntl
 import hmac
@@ -298,12 +297,16 @@ class Gate:
         probe: Probe,
         hold_s: float,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
     ) -> None:
         self.state_dir = state_dir
         self.probe = probe
         self.hold_s = hold_s
         self.clock = clock
+        if sleep is None:
+            import asyncio  # here: the switch imports this module, and needs no event loop
+
+            sleep = asyncio.sleep
         self.sleep = sleep
         self.healthy_until = -math.inf
         self.counts = HeldCounts()
