@@ -19,7 +19,6 @@ that it costs little next to what it measures.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal
@@ -36,140 +35,12 @@ import httpx
 from appliance import config as config_mod
 from appliance.layout import Layout, Scope
 from appliance.render import proxy_argv, proxy_environment, render_proxy_config
+from b70tools import stream_client
 from b70tools.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# --- the fast stream source --------------------------------------------------------------------
-
-
-def sse_response(path: str, request: dict, per_write: int) -> list[bytes]:
-    """The HTTP chunks of one streamed answer of max_tokens one-token events."""
-    n = int(request.get("max_tokens") or 16)
-    model = json.dumps(request.get("model", "m"))
-    if "chat" in path:
-        head = f'{{"id":"c","object":"chat.completion.chunk","created":1,"model":{model},'
-        event = f'data: {head}"choices":[{{"index":0,"delta":{{"content":"x"}}}}]}}\n\n'
-        last = f'data: {head}"choices":[{{"index":0,"delta":{{}},"finish_reason":"length"}}]}}\n\n'
-    else:
-        head = f'{{"id":"c","object":"text_completion","created":1,"model":{model},'
-        event = f'data: {head}"choices":[{{"index":0,"text":"x"}}]}}\n\n'
-        last = f'data: {head}"choices":[{{"index":0,"text":"","finish_reason":"length"}}]}}\n\n'
-    writes = []
-    for start in range(0, n, per_write):
-        payload = (event * min(per_write, n - start)).encode()
-        writes.append(b"%x\r\n%s\r\n" % (len(payload), payload))
-    tail = (last + "data: [DONE]\n\n").encode()
-    writes.append(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
-    return writes
-
-
-async def serve_source(port: int, per_write: int = 8, stream_tokens_per_s: float = 0) -> None:
-    """Answer as fast as possible, or, paced, at `stream_tokens_per_s` per stream."""
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-                request_line, *lines = head.split("\r\n")
-                headers = {
-                    k.strip().lower(): v.strip()
-                    for k, _, v in (line.partition(":") for line in lines)
-                    if v
-                }
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
-                method, path = request_line.split(" ")[:2]
-                if method == "GET":
-                    text = b'{"status":"ok"}'
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: %d\r\n\r\n%s" % (len(text), text)
-                    )
-                else:
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                        b"Transfer-Encoding: chunked\r\n\r\n"
-                    )
-                    for chunk in sse_response(path, json.loads(body or b"{}"), per_write):
-                        writer.write(chunk)
-                        await writer.drain()
-                        if stream_tokens_per_s:
-                            await asyncio.sleep(per_write / stream_tokens_per_s)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=1024)
-    async with server:
-        await server.serve_forever()
-
-
-# --- the lean client ---------------------------------------------------------------------------
-
-
-async def stream_worker(
-    port: int, key: str, model: str, tokens: int, deadline: float, totals: dict[str, int]
-) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    body = json.dumps(
-        {
-            "model": model,
-            "stream": True,
-            "max_tokens": tokens,
-            "ignore_eos": True,
-            "temperature": 0,
-            "messages": [{"role": "user", "content": "Tell me a long story."}],
-        }
-    ).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-        b"Content-Type: application/json\r\nAuthorization: Bearer %s\r\n"
-        b"Content-Length: %d\r\n\r\n%s" % (key.encode(), len(body), body)
-    )
-    try:
-        while time.monotonic() < deadline:
-            writer.write(request)
-            status = await reader.readline()
-            chunked, length = False, 0
-            while (line := await reader.readline()) not in (b"\r\n", b""):
-                name, _, value = line.decode("latin-1").partition(":")
-                if name.lower() == "transfer-encoding" and "chunked" in value.lower():
-                    chunked = True
-                elif name.lower() == "content-length":
-                    length = int(value)
-            events, done = 0, False
-            if chunked:
-                while size := int((await reader.readline()).split(b";")[0], 16):
-                    data = await reader.readexactly(size + 2)
-                    events += data.count(b"data: ")
-                    done = done or b"data: [DONE]" in data
-                await reader.readline()
-            else:
-                await reader.readexactly(length)
-            ok = b" 200 " in status and done
-            totals["chunks"] += max(events - 2, 0) if ok else 0  # less the last and [DONE]
-            totals["ok" if ok else "failed"] += 1
-    finally:
-        writer.close()
-
-
-async def measure(port: int, key: str, model: str, streams: int, tokens: int, seconds: float):
-    totals = {"chunks": 0, "ok": 0, "failed": 0}
-    start = time.monotonic()
-    await asyncio.gather(
-        *(stream_worker(port, key, model, tokens, start + seconds, totals) for _ in range(streams))
-    )
-    totals["wall_s"] = time.monotonic() - start  # type: ignore[assignment]
-    return totals
-
-
-def run_client(port: int, key: str, model: str, streams: int, tokens: int, seconds: float):
-    return asyncio.run(measure(port, key, model, streams, tokens, seconds))
 
 
 # --- processes ---------------------------------------------------------------------------------
@@ -216,6 +87,14 @@ def start_proxy(cfg: config_mod.Config, root: Path, key: str) -> subprocess.Pope
     return proc
 
 
+def start_source(port: int, pace: float = 0) -> subprocess.Popen[bytes]:
+    """The stand-in runtime (b70tools.stream_source), paced at `pace` tokens/s per stream."""
+    argv = [sys.executable, "-m", "b70tools.stream_source", str(port)]
+    source = subprocess.Popen([*argv, "--pace", str(pace)], start_new_session=True)
+    wait_http(f"http://127.0.0.1:{port}/health", 30)
+    return source
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     try:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -236,22 +115,20 @@ def appliance_config(proxy_port: int, backend_port: int, workers: int) -> config
 
 def capacity(root: Path, workers_list: list[int], seconds: float) -> list[dict[str, float]]:
     source_port = free_port()
-    source = subprocess.Popen(
-        [sys.executable, "-m", "b70tools.bench_proxy", "--serve-source", str(source_port)],
-        start_new_session=True,
-    )
+    source = start_source(source_port)
     rows = []
     try:
-        wait_http(f"http://127.0.0.1:{source_port}/health", 30)
-        direct = run_client(source_port, "none", "smollm2", 64, 256, 5)
+        direct = stream_client.steady(source_port, "none", "smollm2", 64, 256, 5)
         for workers in workers_list:
             cfg = appliance_config(free_port(), source_port, workers)
             key = "sk-bench-" + os.urandom(16).hex()
             proxy = start_proxy(cfg, root, key)
             try:
-                run_client(cfg.proxy.port, key, "smollm2", 64, 256, 3)  # warm every worker
+                stream_client.steady(
+                    cfg.proxy.port, key, "smollm2", 64, 256, 3
+                )  # warm every worker
                 cpu0 = tree_cpu_s(proxy.pid)
-                r = run_client(cfg.proxy.port, key, "smollm2", 64, 256, seconds)
+                r = stream_client.steady(cfg.proxy.port, key, "smollm2", 64, 256, seconds)
                 cpu = tree_cpu_s(proxy.pid) - cpu0
             finally:
                 stop(proxy)
@@ -281,11 +158,11 @@ def ratio(root: Path, backend_port: int, workers: int, seconds: float, rounds: i
     key = "sk-bench-" + os.urandom(16).hex()
     proxy = start_proxy(cfg, root, key)
     try:
-        run_client(cfg.proxy.port, key, "smollm2", 64, 64, 5)  # warm
+        stream_client.steady(cfg.proxy.port, key, "smollm2", 64, 64, 5)  # warm
         through, direct = [], []
         for i in range(rounds):
-            a = run_client(cfg.proxy.port, key, "smollm2", 64, 256, seconds)
-            b = run_client(backend_port, "none", "smollm2", 64, 256, seconds)
+            a = stream_client.steady(cfg.proxy.port, key, "smollm2", 64, 256, seconds)
+            b = stream_client.steady(backend_port, "none", "smollm2", 64, 256, seconds)
             through.append(a["chunks"] / a["wall_s"])
             direct.append(b["chunks"] / b["wall_s"])
             print(
@@ -302,12 +179,8 @@ def ratio(root: Path, backend_port: int, workers: int, seconds: float, rounds: i
 def ratio_paced(root: Path, workers: int, seconds: float, rounds: int, total_tokens_per_s: float):
     """A source paced like a B70 at 64 users: each stream gets 1/64 of the total rate."""
     port = free_port()
-    argv = [sys.executable, "-m", "b70tools.bench_proxy", "--serve-source", str(port)]
-    source = subprocess.Popen(
-        [*argv, "--pace", str(total_tokens_per_s / 64)], start_new_session=True
-    )
+    source = start_source(port, total_tokens_per_s / 64)
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", 30)
         what = f"source paced at {total_tokens_per_s:g} tokens/s over 64 streams"
         return ratio(root, port, workers, seconds, rounds, what)
     finally:
@@ -331,10 +204,99 @@ def ratio_llama(root: Path, cache: Path, workers: int, seconds: float, rounds: i
         stop(llama)
 
 
+# --- a burst, a stagger, and one request at a time ----------------------------------------------
+
+
+def stamps(source_port: int) -> dict[str, dict[str, float]]:
+    data: dict[str, dict[str, float]] = httpx.get(
+        f"http://127.0.0.1:{source_port}/stamps", timeout=10
+    ).json()
+    return data
+
+
+def arrivals_ab(
+    proxy: tuple[int, str], source_port: int, starts: list[float], tokens: int, rounds: int,
+    what: str,
+) -> dict[str, object]:  # fmt: skip
+    """The same arrivals through the proxy and straight to the source, alternated A B A B."""
+    rows: dict[str, list[dict[str, float]]] = {"through": [], "direct": []}
+    n = 0
+    for i in range(rounds):
+        for side, (port, key) in (("through", proxy), ("direct", (source_port, "none"))):
+            stamps(source_port)  # forget the notes of earlier runs
+            runs = stream_client.arrivals(port, key, "smollm2", tokens, starts, first_n=n)
+            n += len(starts)
+            row = {
+                **stream_client.summarize(runs),
+                **stream_client.phases(runs, stamps(source_port)),
+            }
+            rows[side].append(row)
+            print(f"{what}: round {i + 1}, {side:7}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in row.items()), flush=True)  # fmt: skip
+    med = {
+        side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in rows.items()
+    }
+    t, d = med["through"], med["direct"]
+    out = {
+        "through": t,
+        "direct": d,
+        "ratio": t["tokens_per_s"] / d["tokens_per_s"],
+        "ttft_median_added_ms": t["ttft_median_ms"] - d["ttft_median_ms"],
+    }
+    print(f"{what}: tokens/s through / direct {t['tokens_per_s']:.0f} / {d['tokens_per_s']:.0f} "
+          f"= {out['ratio']:.3f}; median time to first token {t['ttft_median_ms']:.0f} ms / "
+          f"{d['ttft_median_ms']:.0f} ms", flush=True)  # fmt: skip
+    return out
+
+
+def single(proxy: tuple[int, str], source_port: int, n: int) -> dict[str, float]:
+    """One request at a time, alternating through and direct: what one request costs."""
+    through: list[float] = []
+    direct: list[float] = []
+    for i in range(n):
+        for side, (port, key) in ((through, proxy), (direct, (source_port, "none"))):
+            (run,) = stream_client.arrivals(port, key, "smollm2", 16, [0.0], first_n=10**6 + i)
+            if run["first"] is not None:
+                side.append(run["first"] - run["sent"])
+    t, d = 1000 * statistics.median(through), 1000 * statistics.median(direct)
+    print(f"one request at a time: time to first token through {t:.1f} ms, direct {d:.1f} ms: "
+          f"{t - d:.1f} ms more", flush=True)  # fmt: skip
+    return {"through_ttft_ms": t, "direct_ttft_ms": d, "added_ms": t - d}
+
+
+def door_costs(root: Path, workers: int, rounds: int, total_tokens_per_s: float,
+               streams: int = 64, tokens: int = 256) -> dict[str, object]:  # fmt: skip
+    """The targets of a door that costs nothing, against a source paced like a B70 at 64 users:
+    a burst of `streams` arriving at once, the same started spread over one stream's length,
+    and one request at a time."""
+    source_port = free_port()
+    source = start_source(source_port, total_tokens_per_s / streams)
+    try:
+        cfg = appliance_config(free_port(), source_port, workers)
+        key = "sk-bench-" + os.urandom(16).hex()
+        proxy = start_proxy(cfg, root, key)
+        try:
+            target = (cfg.proxy.port, key)
+            stream_client.arrivals(
+                *target, "smollm2", 16, [0.0] * streams, first_n=-(10**6)
+            )  # warm
+            stream_s = tokens * streams / total_tokens_per_s
+            result: dict[str, object] = {"workers": workers}
+            result["burst"] = arrivals_ab(target, source_port, [0.0] * streams, tokens, rounds,
+                                          f"burst of {streams}")  # fmt: skip
+            spread = [stream_s * i / streams for i in range(streams)]
+            result["stagger"] = arrivals_ab(target, source_port, spread, tokens, rounds,
+                                            f"{streams} spread over {stream_s:.1f} s")  # fmt: skip
+            result["single"] = single(target, source_port, 30)
+        finally:
+            stop(proxy)
+    finally:
+        stop(source)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--serve-source", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--pace", type=float, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--paced-tokens-per-s",
         type=float,
@@ -345,19 +307,28 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=15)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cache", default=os.environ.get("B70_CACHE", "~/.cache/b70"))
-    parser.add_argument("--skip-ratio", action="store_true")
+    parser.add_argument(
+        "--parts",
+        nargs="+",
+        choices=["burst", "capacity", "paced", "llama"],
+        default=["burst", "capacity", "paced", "llama"],
+        help="burst: a burst, a stagger and single requests against the paced source; "
+        "capacity: chunks/s and CPU per chunk; paced, llama: the steady ratio at 64 streams",
+    )
     args = parser.parse_args()
-    if args.serve_source:
-        asyncio.run(serve_source(args.serve_source, 1 if args.pace else 8, args.pace))
-        return 0
+    result: dict[str, object] = {}
+    workers, parts = max(args.workers), set(args.parts)
     with tempfile.TemporaryDirectory(prefix="b70-bench-proxy-") as tmp:
-        rows = capacity(Path(tmp), args.workers, args.seconds)
-        result: dict[str, object] = {"capacity": rows}
-        if not args.skip_ratio:
-            workers, root = max(args.workers), Path(tmp)
+        root = Path(tmp)
+        if "burst" in parts:
+            result["door"] = door_costs(root, workers, args.rounds, args.paced_tokens_per_s)
+        if "capacity" in parts:
+            result["capacity"] = capacity(root, args.workers, args.seconds)
+        if "paced" in parts:
             result["ratio_64_streams_paced"] = ratio_paced(
                 root, workers, args.seconds, args.rounds, args.paced_tokens_per_s
             )
+        if "llama" in parts:
             result["ratio_64_streams_llama"] = ratio_llama(
                 root, Path(args.cache).expanduser(), workers, args.seconds, args.rounds
             )
