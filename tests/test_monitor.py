@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from appliance.monitor import restore, save
 from appliance.plans import Memory
-from appliance.proxy import hold
+from appliance.proxy import hold, waiting
 from tests.conftest import (
     GGUF,
     LLAMA_SERVER,
@@ -139,7 +139,7 @@ def test_kill_9_is_restarted_by_systemd_and_a_request_waits_for_it(
     start = time.monotonic()
     os.kill(before, signal.SIGKILL)
     # The hook trusts a healthy answer for HEALTH_TTL_S: a request sent later is held, not failed.
-    time.sleep(hold.HEALTH_TTL_S + 0.1)
+    time.sleep(waiting.HEALTH_TTL_S + 0.1)
     assert app.ask().strip()
     took = time.monotonic() - start
     print(f"\nkill -9 -> a request sent right after was answered after {took:.1f} s")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.proxy import hold
+from appliance.proxy import hold, waiting
 
 
 class Clock:
@@ -40,8 +40,8 @@ class Backend:
         return self.healthy
 
 
-def gate(tmp_path: Path, backend: Backend, clock: Clock, hold_s: float = 10) -> hold.Gate:
-    return hold.Gate(tmp_path, backend, hold_s, clock=clock, sleep=clock.sleep)
+def gate(tmp_path: Path, backend: Backend, clock: Clock, hold_s: float = 10) -> waiting.Gate:
+    return waiting.Gate(tmp_path, backend, hold_s, clock=clock, sleep=clock.sleep)
 
 
 def test_a_healthy_backend_without_a_mark_lets_requests_through_at_once(tmp_path: Path) -> None:
@@ -50,11 +50,30 @@ def test_a_healthy_backend_without_a_mark_lets_requests_through_at_once(tmp_path
     assert asyncio.run(g.wait()) == 0.0
     assert asyncio.run(g.wait()) == 0.0
     assert backend.asked == 1, "a healthy answer is trusted for a while, not asked per request"
-    clock.now += hold.HEALTH_TTL_S + 0.01
+    clock.now += waiting.HEALTH_TTL_S + 0.01
     asyncio.run(g.wait())
     assert backend.asked == 2
     assert clock.slept == []
     assert hold.read_counts(tmp_path) == hold.HeldCounts(0, 0, 0)
+
+
+def test_a_burst_asks_the_backend_once(tmp_path: Path) -> None:
+    """64 requests arriving together when the last answer has aged share one /health probe."""
+
+    class Slow(Backend):
+        async def __call__(self) -> bool:
+            self.asked += 1
+            await asyncio.sleep(0.01)  # an answer that takes a moment, as over a socket
+            return self.healthy
+
+    backend = Slow()
+    g = gate(tmp_path, backend, Clock())
+
+    async def burst() -> list[float]:
+        return await asyncio.gather(*(g.wait() for _ in range(64)))
+
+    assert asyncio.run(burst()) == [0.0] * 64
+    assert backend.asked == 1
 
 
 def test_a_mark_holds_requests_until_it_is_gone(tmp_path: Path) -> None:
@@ -79,12 +98,12 @@ def test_a_mark_holds_requests_until_it_is_gone(tmp_path: Path) -> None:
 def test_the_hold_runs_out_with_a_reason_and_a_retry_after(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend()
     g = gate(tmp_path, backend, clock, hold_s=8)
-    with hold.marked(tmp_path, "vllm"), pytest.raises(hold.HoldTimeout) as e:
+    with hold.marked(tmp_path, "vllm"), pytest.raises(waiting.HoldTimeout) as e:
         asyncio.run(g.wait())
     assert e.value.why == "switching to vllm"
     assert e.value.waited_s == pytest.approx(8)
     assert e.value.retry_after_s == 2
-    assert max(clock.slept) <= hold.POLL_S
+    assert max(clock.slept) <= waiting.POLL_S
     assert hold.read_counts(tmp_path) == hold.HeldCounts(now=0, total=1, timed_out=1)
 
 
@@ -92,10 +111,10 @@ def test_a_shorter_limit_ends_the_wait_sooner_and_never_a_longer_one(tmp_path: P
     """The door's wait for a runtime that died: what is left of the request's hold time."""
     clock, backend = Clock(), Backend(healthy=False)
     g = gate(tmp_path, backend, clock, hold_s=8)
-    with pytest.raises(hold.HoldTimeout) as e:
+    with pytest.raises(waiting.HoldTimeout) as e:
         asyncio.run(g.wait(limit_s=3))
     assert e.value.waited_s == pytest.approx(3)
-    with pytest.raises(hold.HoldTimeout) as e:
+    with pytest.raises(waiting.HoldTimeout) as e:
         asyncio.run(g.wait(limit_s=100))
     assert e.value.waited_s == pytest.approx(8)
 
@@ -106,7 +125,7 @@ def test_the_switch_own_token_passes_the_hold_and_a_wrong_one_does_not(tmp_path:
     with hold.marked(tmp_path, "vllm") as mark:
         assert asyncio.run(g.wait(mark.token)) == 0.0
         assert backend.asked == 0, "the switch verifies the runtime itself"
-        with pytest.raises(hold.HoldTimeout):
+        with pytest.raises(waiting.HoldTimeout):
             asyncio.run(g.wait("0" * 32))
 
 
@@ -121,8 +140,8 @@ def test_an_unhealthy_backend_holds_until_it_answers(tmp_path: Path) -> None:
         backend.healthy = True
         return await waiter
 
-    assert asyncio.run(scenario()) == pytest.approx(3, abs=hold.POLL_S + 0.01)
-    with pytest.raises(hold.HoldTimeout, match="not healthy"):
+    assert asyncio.run(scenario()) == pytest.approx(3, abs=waiting.POLL_S + 0.01)
+    with pytest.raises(waiting.HoldTimeout, match="not healthy"):
         backend.healthy = False
         clock.now += 60
         asyncio.run(gate(tmp_path, backend, clock, hold_s=2).wait())

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import contextvars
 import fcntl
-import hmac
 import json
-import math
 import mmap
 import os
 import secrets
 import struct
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -269,100 +267,3 @@ def read_open(state_dir: Path) -> int | None:
         return None
     finally:
         os.close(fd)
-
-
-# --- the gate: whether a request may go on, and the wait until it may ---------------------------
-
-POLL_S = 0.2
-HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
-
-
-class HoldTimeout(Exception):
-    def __init__(self, why: str, waited_s: float, retry_after_s: int) -> None:
-        super().__init__(why)
-        self.why = why
-        self.waited_s = waited_s
-        self.retry_after_s = retry_after_s
-
-
-Probe = Callable[[], Awaitable[bool]]
-
-
-class Gate:
-    """Decides whether a request may go on; waits until it may, or until the hold time is up."""
-
-    def __init__(
-        self,
-        state_dir: Path,
-        probe: Probe,
-        hold_s: float,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[None]] | None = None,
-    ) -> None:
-        self.state_dir = state_dir
-        self.probe = probe
-        self.hold_s = hold_s
-        self.clock = clock
-        if sleep is None:
-            import asyncio  # here: the switch imports this module, and needs no event loop
-
-            sleep = asyncio.sleep
-        self.sleep = sleep
-        self.healthy_until = -math.inf
-        self.counts = HeldCounts()
-        self.counts_written = False
-        self.open_requests = OpenRequests(state_dir)
-
-    async def blocked(self, token: str | None) -> str | None:
-        """Why a request must wait now, or None."""
-        mark = read_mark(self.state_dir)
-        if mark is not None and not (token and hmac.compare_digest(token, mark.token)):
-            return f"switching to {mark.target}"
-        if mark is not None or self.clock() < self.healthy_until:
-            return None
-        if await self.probe():
-            self.healthy_until = self.clock() + HEALTH_TTL_S
-            return None
-        return "the backend is not healthy"
-
-    async def wait(self, token: str | None = None, limit_s: float | None = None) -> float:
-        """Seconds waited; raises HoldTimeout when the hold time (or `limit_s`) runs out.
-
-        The request being answered (the door's ticket) is counted open before the mark is read
-        and closed while it waits: a drain that reads the open count after writing the mark
-        sees every request that got past it."""
-        ticket = TICKET.get()
-        start: float | None = None
-        limit = self.hold_s if limit_s is None else min(limit_s, self.hold_s)
-        try:
-            while True:
-                if ticket is not None:
-                    ticket.open(self.open_requests)
-                why = await self.blocked(token)
-                if why is None:
-                    return 0.0 if start is None else self.clock() - start
-                if ticket is not None:
-                    ticket.close()
-                if start is None:
-                    start = self.clock()
-                    self._count(now=+1, total=+1)
-                waited = self.clock() - start
-                if waited >= limit:
-                    self._count(timed_out=+1)
-                    raise HoldTimeout(
-                        why, waited, retry_after_s=max(1, round(min(self.hold_s / 4, 30)))
-                    )
-                await self.sleep(min(POLL_S, limit - waited))
-        finally:
-            if start is not None:
-                self._count(now=-1)
-
-    def _count(self, now: int = 0, total: int = 0, timed_out: int = 0) -> None:
-        self.counts.now += now
-        self.counts.total += total
-        self.counts.timed_out += timed_out
-        try:
-            write_counts(self.state_dir, self.counts, first=not self.counts_written)
-            self.counts_written = True
-        except OSError:
-            pass  # the counts are for the monitor; a request never fails because of them

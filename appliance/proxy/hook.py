@@ -34,7 +34,7 @@ from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAut
 from appliance.proxy import backend as backend_mod
 from appliance.proxy import door, mount
 from appliance.proxy import hold as hold_mark
-from appliance.proxy.hold import Gate, HoldTimeout, Probe
+from appliance.proxy.waiting import Gate, HoldTimeout, Probe
 
 HEALTH_TIMEOUT_S = 2.0
 

@@ -1,0 +1,117 @@
+"""The hold's gate, in the proxy's workers: whether a request may go on to the runtime now, and
+the wait until it may (a switch is marked, or the runtime is not healthy), up to the hold time.
+
+The mark, the counts and the tickets it reads and writes are appliance.proxy.hold's, which the
+switch imports too; this module is the proxy's alone (it needs an event loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import math
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from appliance.proxy.hold import TICKET, HeldCounts, OpenRequests, read_mark, write_counts
+
+POLL_S = 0.2
+HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
+
+
+class HoldTimeout(Exception):
+    def __init__(self, why: str, waited_s: float, retry_after_s: int) -> None:
+        super().__init__(why)
+        self.why = why
+        self.waited_s = waited_s
+        self.retry_after_s = retry_after_s
+
+
+Probe = Callable[[], Awaitable[bool]]
+
+
+class Gate:
+    """Decides whether a request may go on; waits until it may, or until the hold time is up."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        probe: Probe,
+        hold_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        self.state_dir = state_dir
+        self.probe = probe
+        self.hold_s = hold_s
+        self.clock = clock
+        self.sleep = sleep or asyncio.sleep
+        self.healthy_until = -math.inf
+        self.probing: asyncio.Future[bool] | None = None  # the probe being asked, if one is
+        self.counts = HeldCounts()
+        self.counts_written = False
+        self.open_requests = OpenRequests(state_dir)
+
+    async def blocked(self, token: str | None) -> str | None:
+        """Why a request must wait now, or None."""
+        mark = read_mark(self.state_dir)
+        if mark is not None and not (token and hmac.compare_digest(token, mark.token)):
+            return f"switching to {mark.target}"
+        if mark is not None or self.clock() < self.healthy_until:
+            return None
+        if await self.probe_once():
+            self.healthy_until = self.clock() + HEALTH_TTL_S
+            return None
+        return "the backend is not healthy"
+
+    async def probe_once(self) -> bool:
+        """The probe's answer, asked once for every request that needs it at the same moment:
+        a burst that arrives when the last answer has aged asks /health once, not once each."""
+        if self.probing is None:
+            self.probing = asyncio.ensure_future(self.probe())
+            self.probing.add_done_callback(lambda _: setattr(self, "probing", None))
+        # shielded: a request that is cancelled (its client left) leaves the probe to the others
+        return await asyncio.shield(self.probing)
+
+    async def wait(self, token: str | None = None, limit_s: float | None = None) -> float:
+        """Seconds waited; raises HoldTimeout when the hold time (or `limit_s`) runs out.
+
+        The request being answered (the door's ticket) is counted open before the mark is read
+        and closed while it waits: a drain that reads the open count after writing the mark
+        sees every request that got past it."""
+        ticket = TICKET.get()
+        start: float | None = None
+        limit = self.hold_s if limit_s is None else min(limit_s, self.hold_s)
+        try:
+            while True:
+                if ticket is not None:
+                    ticket.open(self.open_requests)
+                why = await self.blocked(token)
+                if why is None:
+                    return 0.0 if start is None else self.clock() - start
+                if ticket is not None:
+                    ticket.close()
+                if start is None:
+                    start = self.clock()
+                    self._count(now=+1, total=+1)
+                waited = self.clock() - start
+                if waited >= limit:
+                    self._count(timed_out=+1)
+                    raise HoldTimeout(
+                        why, waited, retry_after_s=max(1, round(min(self.hold_s / 4, 30)))
+                    )
+                await self.sleep(min(POLL_S, limit - waited))
+        finally:
+            if start is not None:
+                self._count(now=-1)
+
+    def _count(self, now: int = 0, total: int = 0, timed_out: int = 0) -> None:
+        self.counts.now += now
+        self.counts.total += total
+        self.counts.timed_out += timed_out
+        try:
+            write_counts(self.state_dir, self.counts, first=not self.counts_written)
+            self.counts_written = True
+        except OSError:
+            pass  # the counts are for the monitor; a request never fails because of them
