@@ -17,7 +17,7 @@ from starlette.routing import Route
 from appliance.proxy import backend as proxy_backend
 from appliance.proxy import checks as proxy_checks
 from appliance.proxy import door as proxy_gate
-from appliance.proxy import hold, mount
+from appliance.proxy import hold, mount, relay, waiting
 
 KEY = "sk-b70-right"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -587,7 +587,7 @@ def test_install_wraps_a_built_stack_in_place_and_an_unbuilt_one_when_it_is_buil
 
 
 def test_install_in_proxy_does_nothing_outside_the_proxy() -> None:
-    assert mount.install_in_proxy(None, {"B70_BACKEND_URL": "http://x"}) is None
+    assert mount.install_in_proxy(None, env={"B70_BACKEND_URL": "http://x"}) is None
 
 
 @pytest.mark.parametrize(
@@ -692,7 +692,7 @@ def test_it_is_sent_again_at_most_twice_then_litellms_answer_goes_out() -> None:
     inner, ready = Failing(fails=5), Ready(clock, [1.0, 1.0])
     answer = call(replaying(inner, ready, clock), "POST", "/v1/chat/completions", chat(), AUTH)
     assert (answer.status, answer.body) == (500, REFUSED)
-    assert len(inner.bodies) == 1 + proxy_gate.REPLAYS == 3
+    assert len(inner.bodies) == 1 + relay.REPLAYS == 3
 
 
 def test_the_wait_is_within_the_hold_time_from_arrival_and_ends_in_a_503() -> None:
@@ -770,3 +770,90 @@ def test_a_request_let_through_is_open_until_its_answer_ends(tmp_path: Any) -> N
     assert answer.status == 200
     assert seen == [1] and hold.read_open(tmp_path) == 0
     assert hold.TICKET.get() is None
+
+
+# --- the fast way: LiteLLM's pass-through route (appliance.proxy.relay) ---------------------------
+
+
+class Ways:
+    """LiteLLM's place: the pass-through route answers `fast` (a status), the full route 200."""
+
+    def __init__(self, fast: int = 200) -> None:
+        self.fast = fast
+        self.paths: list[str] = []
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.paths.append(scope["path"])
+        message = await receive()
+        self.bodies.append(message.get("body", b""))
+        status = self.fast if scope["path"].startswith("/vllm/") else 200
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"way %s" % scope["path"].encode()})
+
+
+class Holding:
+    """The request hold as the door's fast way sees it: the tokens it was given; a HoldTimeout
+    when `timeout` is set."""
+
+    def __init__(self, timeout: bool = False) -> None:
+        self.timeout = timeout
+        self.tokens: list[str | None] = []
+
+    async def __call__(self, token: str | None) -> float:
+        self.tokens.append(token)
+        if self.timeout:
+            raise waiting.HoldTimeout("switching to vllm", 120.0, 30)
+        return 0.0
+
+
+def fast_door(inner: Any, holding: Holding) -> proxy_gate.Door:
+    return proxy_gate.Door(
+        inner, None, lambda: MODELS, lambda: KEY, max_body_bytes=LIMIT,
+        wait_ready=Ready(Clock(), []), hold_s=60, clock=Clock(), hold=holding,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("path", "through"),
+    [("/v1/chat/completions", "/vllm/chat/completions"), ("/completions", "/vllm/completions")],
+)
+def test_a_checked_request_is_held_then_goes_the_fast_way(path: str, through: str) -> None:
+    inner, holding = Ways(), Holding()
+    body = chat() if "chat" in path else json.dumps({"model": "smollm2", "prompt": "hi"}).encode()
+    headers = {**AUTH, hold.BYPASS_HEADER: "t0ken"}
+    answer = call(fast_door(inner, holding), "POST", path, body, headers)
+    assert (answer.status, answer.body) == (200, b"way " + through.encode())
+    assert inner.paths == [through] and inner.bodies == [body]
+    assert holding.tokens == ["t0ken"]
+
+
+def test_a_server_error_of_the_fast_way_is_kept_back_and_the_request_goes_the_full_way() -> None:
+    """The pass-through answers a bare 500 for a runtime's 4xx or a runtime that is down; the
+    full way names the error (and resends a request whose runtime died)."""
+    inner = Ways(fast=500)
+    answer = call(fast_door(inner, Holding()), "POST", "/v1/chat/completions", chat(), AUTH)
+    assert (answer.status, answer.body) == (200, b"way /v1/chat/completions")
+    assert inner.paths == ["/vllm/chat/completions", "/v1/chat/completions"]
+    assert inner.bodies[0] == inner.bodies[1] == chat()
+
+
+def test_a_fast_request_whose_hold_runs_out_is_a_503_and_reaches_nothing() -> None:
+    inner = Ways()
+    answer = call(fast_door(inner, Holding(timeout=True)), "POST", "/v1/chat/completions",
+                  chat(), AUTH)  # fmt: skip
+    assert answer.status == 503 and answer.headers["retry-after"] == "30"
+    assert answer.error["code"] == "b70_hold_timeout"
+    assert (
+        "switching to vllm" in answer.error["message"] and "waited 120 s" in answer.error["message"]
+    )
+    assert inner.paths == []
+
+
+def test_models_and_refusals_never_take_the_fast_way() -> None:
+    inner, holding = Ways(), Holding()
+    assert call(fast_door(inner, holding), "GET", "/v1/models", b"", AUTH).status == 200
+    refused = call(fast_door(inner, holding), "POST", "/v1/chat/completions", chat(max_tokens=0),
+                   AUTH)  # fmt: skip
+    assert refused.status == 400
+    assert inner.paths == ["/v1/models"] and holding.tokens == []

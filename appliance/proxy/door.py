@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import hmac
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
@@ -53,15 +52,17 @@ from typing import Any
 from appliance.proxy import hold
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
 from appliance.proxy.checks import Refusal, check_request, parse_body
+from appliance.proxy.relay import PASS_THROUGH, WaitReady, relay, replay, resend
+from appliance.proxy.waiting import HoldTimeout
 
 Scope = Mapping[str, Any]
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Any, Receive, Send], Awaitable[None]]
-# Waits until the runtime serves again, at most the seconds given; the seconds waited, or None.
-# The token is the request's hold token (a switch's own request passes the switch's hold).
-WaitReady = Callable[[float, str | None], Awaitable[float | None]]
+# Holds a request while the runtime cannot take it (raises HoldTimeout when the hold time runs
+# out). The token is the request's hold token (a switch's own request passes the switch's hold).
+Hold = Callable[[str | None], Awaitable[float]]
 
 MIB = 1024 * 1024
 BYPASS_HEADER = hold.BYPASS_HEADER.encode()
@@ -113,6 +114,15 @@ def key_problem(authorization: str | None, expected: str) -> str | None:
     return None
 
 
+def hold_timeout(e: HoldTimeout) -> Refusal:
+    """The answer to a request whose hold time ran out (as the hook answers it on the full way)."""
+    return Refusal(
+        503, f"the model is not available: {e.why}; this request waited {e.waited_s:.0f} s. "
+        f"Retry after {e.retry_after_s} s.", "b70_hold_timeout", kind="service_unavailable",
+        headers={"Retry-After": str(e.retry_after_s)},
+    )  # fmt: skip
+
+
 def unauthorized(message: str) -> Refusal:
     return Refusal(
         401, message, "invalid_api_key", kind="authentication_error",
@@ -151,6 +161,7 @@ class Door:
         wait_ready: WaitReady | None = None,
         hold_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        hold: Hold | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
@@ -160,6 +171,7 @@ class Door:
         self.wait_ready = wait_ready
         self.hold_s = hold_s
         self.clock = clock
+        self.hold = hold  # the request hold of the fast way; None: every request the full way
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -187,44 +199,30 @@ class Door:
     async def forward(
         self, scope: Scope, body: bytes, receive: Receive, send: Send, arrived: float
     ) -> None:
-        """A request to the model, to LiteLLM; sent again if the runtime died before answering.
-
-        The runtime's death reaches LiteLLM as a failed connection (refused, reset, or closed
-        without an answer), which it answers 500. If that happens before the client got a byte,
-        the answer is kept back, the request waits like any held request until the runtime
-        serves again (the hold: a restart by systemd or the monitor, or a switch), and it is
-        sent again, within the hold time from its arrival. At most REPLAYS times: a request
-        that kills the runtime each time it is sent must not keep killing it. An answer that
-        has begun (a stream's first event) is never taken back."""
+        """A request to the model: held while the runtime cannot take it, then the fast way
+        (appliance.proxy.relay), or the full way through LiteLLM's chat or completion route,
+        sent again if the runtime died before answering (appliance.proxy.relay.resend)."""
         ticket = hold.Ticket()  # opened by the hold's gate when it lets the request through
         context = hold.TICKET.set(ticket)
         try:
-            await self._forward(scope, body, receive, send, arrived)
+            if not await self.fast(scope, body, receive, send):
+                await resend(self.app, scope, body, receive, send, arrived, self.hold_s,
+                             self.wait_ready, self.clock)  # fmt: skip
         finally:
             ticket.close()
             hold.TICKET.reset(context)
 
-    async def _forward(
-        self, scope: Scope, body: bytes, receive: Receive, send: Send, arrived: float
-    ) -> None:
-        for attempt in range(REPLAYS + 1):
-            held = _HeldFailure(send) if self.wait_ready is not None else None
-            await self.app(scope, _replay(body, receive), held or send)
-            if held is None or not held.kept_back:
-                return
-            left = self.hold_s - (self.clock() - arrived)
-            if attempt == REPLAYS or left <= 0:
-                await held.release()
-                return
-            assert self.wait_ready is not None
-            waited = await self.wait_ready(left, _header(scope, BYPASS_HEADER))
-            if waited is None:
-                await _runtime_gone(self.clock() - arrived, self.hold_s).send(send)
-                return
-            log(
-                f"b70: {route_path(scope)}: the runtime failed before answering; sent again "
-                f"after {waited:.1f} s (attempt {attempt + 2} of {REPLAYS + 1})"
-            )
+    async def fast(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> bool:
+        """The request held, then sent the fast way; False when it must go the full way."""
+        route = route_of(route_path(scope), None)
+        if self.hold is None or route is None or route[0] not in PASS_THROUGH:
+            return False
+        try:
+            await self.hold(_header(scope, BYPASS_HEADER))
+        except HoldTimeout as e:
+            await hold_timeout(e).send(send)
+            return True
+        return await relay(self.app, scope, route[0], replay(body, receive), send)
 
     async def check(self, scope: Scope, receive: Receive) -> bytes | None:
         """Refuses the request, or gives the body read here (None: no body is read here)."""
@@ -290,91 +288,6 @@ def _too_large(declared: int | None, limit: int) -> Refusal:
     return Refusal(
         413, f"the request body is {size} the {limit} bytes ({limit / MIB:g} MiB) this appliance "
         "takes; the limit is [proxy] max_body_mib", "request_too_large",
-    )  # fmt: skip
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that gives the body read here once, then the client's own messages (so a
-    client that leaves mid-stream is still seen leaving)."""
-    pending: list[bytes] = [body]
-
-    async def replay() -> Message:
-        if pending:
-            return {"type": "http.request", "body": pending.pop(), "more_body": False}
-        return await receive()
-
-    return replay
-
-
-# What LiteLLM says when the connection to the runtime failed before any answer: aiohttp's and
-# httpx's words for a refused, reset or closed connection, and the OpenAI SDK's.
-CONNECTION_FAILED = (
-    b"Cannot connect to host",
-    b"Connection refused",
-    b"Connection reset",
-    b"Server disconnected",
-    b"ServerDisconnectedError",
-    b"RemoteProtocolError",
-    b"ConnectError",
-    b"Connection error",
-)
-REPLAYS = 2
-
-
-class _HeldFailure:
-    """A `send` that keeps back a 500 or 502 answer about a failed connection to the runtime;
-    anything else passes through as it comes."""
-
-    def __init__(self, send: Send) -> None:
-        self.send = send
-        self.start: Message | None = None
-        self.body: list[bytes] = []
-        self.kept_back = False
-        self.passing = False
-
-    async def __call__(self, message: Message) -> None:
-        if self.passing:
-            await self.send(message)
-            return
-        if message["type"] == "http.response.start":
-            if message.get("status") in (500, 502):
-                self.start = message
-                return
-            self.passing = True
-            await self.send(message)
-            return
-        if message["type"] != "http.response.body" or self.start is None:
-            await self.send(message)
-            return
-        self.body.append(message.get("body", b""))
-        if message.get("more_body", False):
-            return
-        text = b"".join(self.body)
-        if any(words in text for words in CONNECTION_FAILED):
-            self.kept_back = True  # forward() sends the request again, or release()s this
-            return
-        await self.release()
-
-    async def release(self) -> None:
-        """Send what was kept back, as LiteLLM gave it."""
-        self.passing = True
-        if self.start is not None:
-            await self.send(self.start)
-            await self.send({"type": "http.response.body", "body": b"".join(self.body)})
-
-
-def log(line: str) -> None:
-    """One line to the proxy's journal (stderr)."""
-    print(line, file=sys.stderr, flush=True)
-
-
-def _runtime_gone(waited_s: float, hold_s: float) -> Refusal:
-    retry_after = max(1, round(min(hold_s / 4, 30)))
-    return Refusal(
-        503, f"the model is not available: the runtime stopped answering this request and did "
-        f"not serve again in time; it waited {waited_s:.0f} s. Retry after {retry_after} s.",
-        "b70_hold_timeout", kind="service_unavailable",
-        headers={"Retry-After": str(retry_after)},
     )  # fmt: skip
 
 

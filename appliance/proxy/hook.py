@@ -135,8 +135,13 @@ async def wait_ready(limit_s: float, token: str | None) -> float | None:
         return None
 
 
+async def hold_request(token: str | None) -> float:
+    """For the door's fast way, which LiteLLM's pre-call hooks do not see: the same hold."""
+    return await hold.gate.wait(token)
+
+
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
-hold = HoldHook(backend=mount.install_in_proxy(wait_ready))
+hold = HoldHook(backend=mount.install_in_proxy(wait_ready, hold_request))
 if hold.backend is not None and "B70_STATE_DIR" in os.environ:
     # This process's slot in the open count now, so a drain before the first request reads 0
     # from the proxy rather than falling back to the runtime's metrics.

@@ -16,7 +16,8 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from appliance.proxy.backend import Backend
-from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, ASGIApp, Door, WaitReady
+from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, ASGIApp, Door, Hold
+from appliance.proxy.relay import WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -59,10 +60,13 @@ def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
 
 
 def install_in_proxy(
-    wait_ready: WaitReady | None = None, env: Mapping[str, str] = os.environ
+    wait_ready: WaitReady | None = None,
+    hold: Hold | None = None,
+    env: Mapping[str, str] = os.environ,
 ) -> Backend | None:
     """Put the door in front of the LiteLLM proxy's app, if this process runs one; its backend.
-    `wait_ready`: the request hold, for requests sent again after the runtime died."""
+    `wait_ready`: the request hold, for requests sent again after the runtime died; `hold`: the
+    request hold of the fast way (appliance.proxy.relay)."""
     server = sys.modules.get("litellm.proxy.proxy_server")
     app = getattr(server, "app", None)
     if app is None or not hasattr(app, "middleware_stack"):
@@ -75,7 +79,7 @@ def install_in_proxy(
         app,
         lambda inner: Door(
             inner, backend, router_models, max_body_bytes=limit, wait_ready=wait_ready,
-            hold_s=hold_s,
+            hold_s=hold_s, hold=hold,
         ),
     )  # fmt: skip
     give_large_blocks_back()
