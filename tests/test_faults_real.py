@@ -78,7 +78,9 @@ def interrupt_at(
     for _ in range(3):
         app.b70ctl("switch", "llamacpp", check=True)
         before = main_pid(app, "b70-llamacpp.service")
-        stream = long_stream(app, max_tokens=200) if phase == "drain" else None
+        # The hold and the drain pass in milliseconds when nothing is in flight: a stream in
+        # flight keeps the switch there long enough to be signalled before its start.
+        stream = long_stream(app, max_tokens=200) if phase in {"hold", "drain"} else None
         switch = start_switch(app, "llamacpp", "--restart")
         caught = wait_for_phase(app, switch, phase)
         if caught:
