@@ -199,7 +199,7 @@ def render_proxy_socket(config: Config, lay: Layout) -> str:
 
 def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
     """The proxy's environment, the master key aside (that comes from the key file)."""
-    return {
+    env = {
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # else it fetches a price list at start-up
         "LITELLM_TELEMETRY": "False",
         "LITELLM_LOG": "ERROR",  # no per-request log lines: they cost CPU on every request
@@ -216,6 +216,9 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         # For the request checks (appliance.proxy.door): the largest body taken, in bytes.
         "B70_MAX_BODY_BYTES": str(config.proxy.max_body_bytes),
     }
+    if not config.proxy.pass_through:  # every model request LiteLLM's full way (relay.py)
+        env["B70_PASS_THROUGH"] = "0"
+    return env
 
 
 def render_proxy_unit(config: Config, lay: Layout) -> str:

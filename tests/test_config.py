@@ -295,6 +295,11 @@ REACH = [
         "runtimes.vllm.model: '--trust-remote-code' starts with '-'",
     ),
     (
+        "a pass-through that is not a boolean",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\npass_through = "no"'),
+        "proxy.pass_through: must be true or false, not a string ('no')",
+    ),
+    (
         "no body at all",
         GOOD.replace('model = "smollm2"', 'model = "smollm2"\nmax_body_mib = 0'),
         "proxy.max_body_mib: 0.0 must be greater than 0",
@@ -422,3 +427,16 @@ def test_numbers_in_range_and_names_that_pass() -> None:
     rt = cfg.runtimes["vllm-tp4"]
     assert rt.start_timeout_s == 86400 and rt.memory_needed_bytes == 0
     assert rt.args[1] == '{% if x %}$HOME \\ "q" ; caf\u00e9'
+
+
+def test_the_pass_through_is_on_unless_the_config_turns_it_off() -> None:
+    """Off, the proxy unit says so (B70_PASS_THROUGH=0); on, the rendered units are as before."""
+    from appliance.layout import Scope, layout
+    from appliance.render import proxy_environment
+
+    on = config.parse(GOOD, Path("t"))
+    off = config.parse(GOOD.replace('model = "smollm2"', 'model = "smollm2"\npass_through = false'),
+                       Path("t"))  # fmt: skip
+    assert on.proxy.pass_through and not off.proxy.pass_through
+    assert "B70_PASS_THROUGH" not in proxy_environment(on, layout(Scope.USER))
+    assert proxy_environment(off, layout(Scope.USER))["B70_PASS_THROUGH"] == "0"

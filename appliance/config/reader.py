@@ -193,6 +193,7 @@ class _Reader(Walker):
             "workers",
             "litellm",
             "max_body_mib",
+            "pass_through",
         }
         self.known(t, p, allowed)
         model = self.get(t, "model", p, str, "b70", check_model_name)
@@ -212,6 +213,7 @@ class _Reader(Walker):
             litellm=litellm,
             # 8 MiB holds a whole 131072-token context as text several times over, and a few
             # images as data URLs.
+            pass_through=self.get(t, "pass_through", p, bool, True),
             max_body_bytes=int(
                 self.get(t, "max_body_mib", p, float, 8.0, check_range(0, 1024, low_open=True))
                 * MIB

@@ -75,11 +75,12 @@ def install_in_proxy(
     backend = Backend(url) if url else None
     limit = max_body_bytes(env)
     hold_s = hold_seconds(env)
+    pass_through = env.get("B70_PASS_THROUGH", "1") != "0"
     install(
         app,
         lambda inner: Door(
             inner, backend, router_models, max_body_bytes=limit, wait_ready=wait_ready,
-            hold_s=hold_s, hold=hold,
+            hold_s=hold_s, hold=hold if pass_through else None,
         ),
     )  # fmt: skip
     give_large_blocks_back()
