@@ -857,3 +857,38 @@ def test_models_and_refusals_never_take_the_fast_way() -> None:
                    AUTH)  # fmt: skip
     assert refused.status == 400
     assert inner.paths == ["/v1/models"] and holding.tokens == []
+
+
+def test_a_stream_whose_runtime_dies_before_its_first_event_goes_the_full_way() -> None:
+    """A runtime sends a stream's status line at once; if it dies before the first event, the
+    client has had nothing yet, and the full way waits for the runtime and sends it again."""
+
+    class DiesAfterHeaders(Ways):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if not scope["path"].startswith("/vllm/"):
+                await super().__call__(scope, receive, send)
+                return
+            self.paths.append(scope["path"])
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"", "more_body": True})
+            raise RuntimeError("the runtime closed the connection")
+
+    inner = DiesAfterHeaders()
+    answer = call(fast_door(inner, Holding()), "POST", "/v1/chat/completions", chat(stream=True),
+                  AUTH)  # fmt: skip
+    assert (answer.status, answer.body) == (200, b"way /v1/chat/completions")
+    assert inner.paths == ["/vllm/chat/completions", "/v1/chat/completions"]
+
+
+def test_an_answer_that_has_begun_is_never_taken_back() -> None:
+    class DiesMidStream(Ways):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            self.paths.append(scope["path"])
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            raise RuntimeError("the runtime died mid-stream")
+
+    inner = DiesMidStream()
+    with pytest.raises(RuntimeError):
+        call(fast_door(inner, Holding()), "POST", "/v1/chat/completions", chat(stream=True), AUTH)
+    assert inner.paths == ["/vllm/chat/completions"]

@@ -52,7 +52,7 @@ from typing import Any
 from appliance.proxy import hold
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
 from appliance.proxy.checks import Refusal, check_request, parse_body
-from appliance.proxy.relay import PASS_THROUGH, WaitReady, relay, replay, resend
+from appliance.proxy.relay import PASS_THROUGH, WaitReady, log, relay, replay, resend
 from appliance.proxy.waiting import HoldTimeout
 
 Scope = Mapping[str, Any]
@@ -222,7 +222,10 @@ class Door:
         except HoldTimeout as e:
             await hold_timeout(e).send(send)
             return True
-        return await relay(self.app, scope, route[0], replay(body, receive), send)
+        if await relay(self.app, scope, route[0], replay(body, receive), send):
+            return True
+        log(f"b70: {route_path(scope)}: no answer the fast way; sent again the full way")
+        return False
 
     async def check(self, scope: Scope, receive: Receive) -> bytes | None:
         """Refuses the request, or gives the body read here (None: no body is read here)."""

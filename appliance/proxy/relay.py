@@ -11,10 +11,11 @@ per request and nothing per chunk. The runtime receives the body as the door che
 the model name the router resolved, and no header of the client's.
 
 The pass-through route answers every failure with a bare 500: a runtime that refused the
-request (4xx), a runtime that is down. So an answer that begins with a server error is kept back
-and the request goes the full way instead (LiteLLM's chat or completion route, the hold's hook,
-the door's resending), which names the error as before. Only an answer that has begun is never
-taken back.
+request (4xx), a runtime that is down, a runtime that died after its stream's status line and
+before its first event. So the answer is kept back until its first bytes, and one that fails
+before them goes the full way instead (LiteLLM's chat or completion route, the hold's hook, the
+door's resending), which names the error, or waits for the runtime and sends it again, as
+before. Only an answer that has begun is never taken back.
 
 Imported by the proxy: nothing from the rest of the controller but appliance.proxy.
 """
@@ -41,12 +42,15 @@ WaitReady = Callable[[float, str | None], Awaitable[float | None]]
 PASS_THROUGH = {CHAT: "/vllm/chat/completions", COMPLETION: "/vllm/completions"}
 
 
-class _ServerErrorKeptBack:
-    """A `send` that keeps back an answer whose status is a server error (and its body); any
-    other answer passes through as it comes."""
+class _UntilItBegins:
+    """A `send` that keeps the answer back until it has begun: its status and headers go to the
+    client with the first bytes of its body. An answer that is a server error, or that fails
+    before any byte of its body, is kept back whole (`kept_back`). A runtime sends a stream's
+    status and headers at once, and can die before its first event."""
 
     def __init__(self, send: Send) -> None:
         self.send = send
+        self.start: Message | None = None
         self.kept_back = False
         self.passing = False
 
@@ -55,21 +59,26 @@ class _ServerErrorKeptBack:
             await self.send(message)
         elif self.kept_back:
             return  # the rest of the kept-back answer
-        elif message["type"] == "http.response.start" and int(message.get("status", 0)) >= 500:
-            self.kept_back = True
+        elif message["type"] == "http.response.start":
+            self.kept_back = int(message.get("status", 0)) >= 500
+            self.start = message
+        elif message["type"] == "http.response.body" and self.start is not None:
+            if message.get("body") or not message.get("more_body", False):
+                self.passing = True
+                await self.send(self.start)
+                await self.send(message)
         else:
-            self.passing = message["type"] == "http.response.start"
             await self.send(message)
 
 
 async def relay(app: ASGIApp, scope: Any, kind: str, receive: Receive, send: Send) -> bool:
     """Send the request through the pass-through route: True when its answer went to the
-    client, False when the route answered a server error, kept back (send it the full way)."""
+    client, False when it failed before its first bytes (send it the full way)."""
     path = PASS_THROUGH.get(kind)
     if path is None:
         return False
     through = {**scope, "path": path, "raw_path": path.encode()}
-    kept = _ServerErrorKeptBack(send)
+    kept = _UntilItBegins(send)
     try:
         await app(through, receive, kept)
     except Exception:
@@ -80,7 +89,8 @@ async def relay(app: ASGIApp, scope: Any, kind: str, receive: Receive, send: Sen
         if kept.passing:
             raise
         return False
-    return not kept.kept_back
+    # An answer that ended without a byte of its body goes the full way too, which says why.
+    return kept.passing
 
 
 # --- the full way, sent again -----------------------------------------------------------------
