@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -225,6 +226,20 @@ class Appliance:
             timeout=120,
         )
         return reply.choices[0].message.content or ""
+
+
+def live_pid(app: Appliance, unit: str, timeout_s: float = 60) -> int:
+    """The unit's main pid, once it has one. Never 0: a test that signals pid 0 signals its own
+    process group, pytest included (a unit between two starts has MainPID=0)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = app.manager.systemctl("show", "-p", "MainPID", "--value", unit).strip()
+        pid = int(text) if text.isdigit() else 0
+        if pid > 1:
+            return pid
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{unit} has no main process after {timeout_s:g} s")
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="session")

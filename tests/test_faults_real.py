@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import B70CTL, GGUF, LLAMA_SERVER, Appliance
+from tests.conftest import B70CTL, GGUF, LLAMA_SERVER, Appliance, live_pid
 from tests.test_switch_real import long_stream, start_switch
 
 # How long the appliance may take to serve again after a killed switch (the next command
@@ -287,7 +287,7 @@ def test_the_runtime_killed_under_load_loses_no_request(appliance: Appliance) ->
     with Clients(appliance, 6) as clients:
         time.sleep(4)
         killed_at = time.monotonic()
-        os.kill(main_pid(appliance, "b70-llamacpp.service"), signal.SIGKILL)
+        os.kill(live_pid(appliance, "b70-llamacpp.service"), signal.SIGKILL)
         clients.answered_after(killed_at + 1, 120)
         time.sleep(3)
     spanning = [ended - sent for sent, ended, kind in clients.outcomes if sent <= killed_at < ended]
@@ -316,7 +316,7 @@ def test_the_proxy_killed_under_load_comes_back(appliance: Appliance) -> None:
     with Clients(appliance, clients_n) as clients:
         time.sleep(3)
         killed_at = time.monotonic()
-        os.kill(main_pid(appliance, "b70-litellm.service"), signal.SIGKILL)
+        os.kill(live_pid(appliance, "b70-litellm.service"), signal.SIGKILL)
         clients.answered_after(killed_at, 300)
         time.sleep(2)
     outcomes = clients.outcomes

@@ -25,6 +25,7 @@ from tests.conftest import (
     Appliance,
     demo_config_text,
     free_port,
+    live_pid,
     require_real_parts,
     running_manager,
 )
@@ -135,7 +136,7 @@ def test_kill_9_is_restarted_by_systemd_and_a_request_waits_for_it(
 ) -> None:
     app, _, port = watched
     held_before = scrape(port).get(("b70_held_requests_total", ()), 0.0)
-    before = main_pid(app, "b70-flaky.service")
+    before = live_pid(app, "b70-flaky.service")
     start = time.monotonic()
     os.kill(before, signal.SIGKILL)
     # The hook trusts a healthy answer for HEALTH_TTL_S: a request sent later is held, not failed.
@@ -157,7 +158,7 @@ def test_kill_9_is_restarted_by_systemd_and_a_request_waits_for_it(
 def test_a_hang_is_detected_and_restarted(watched: tuple[Appliance, Path, int]) -> None:
     app, _, port = watched
     wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
-    before = main_pid(app, "b70-flaky.service")
+    before = live_pid(app, "b70-flaky.service")
     os.kill(before, signal.SIGSTOP)
     try:
         took = wait_for(
@@ -190,7 +191,7 @@ def test_the_monitor_killed_while_it_restarts_a_runtime(
     app.manager.systemctl("reset-failed", "b70-flaky.service")  # the start limit counts anew
     wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
     counted = app.json("status")["result"]["monitor"]["restarts_by_monitor"]
-    runtime, monitor = main_pid(app, "b70-flaky.service"), main_pid(app, "b70-monitor.service")
+    runtime, monitor = live_pid(app, "b70-flaky.service"), live_pid(app, "b70-monitor.service")
     os.kill(runtime, signal.SIGSTOP)
     try:
         wait_for(
@@ -221,7 +222,7 @@ def test_a_runtime_that_cannot_come_back_fails_over(watched: tuple[Appliance, Pa
     app.manager.systemctl("reset-failed", "b70-flaky.service")  # the start limit counts anew
     wait_for(lambda: app.json("status")["result"]["active_runtime"] == "flaky", 60, "flaky serving")
     model.write_bytes(b"GGUF" + b"\0" * 64)  # its next start fails
-    os.kill(main_pid(app, "b70-flaky.service"), signal.SIGKILL)
+    os.kill(live_pid(app, "b70-flaky.service"), signal.SIGKILL)
     took = wait_for(
         lambda: app.json("status")["result"]["active_runtime"] == "llamacpp", 120, "failover"
     )
