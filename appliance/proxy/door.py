@@ -204,21 +204,24 @@ class Door:
         sent again if the runtime died before answering (appliance.proxy.relay.resend)."""
         ticket = hold.Ticket()  # opened by the hold's gate when it lets the request through
         context = hold.TICKET.set(ticket)
+        token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
         try:
-            if not await self.fast(scope, body, receive, send):
+            if not await self.fast(scope, body, receive, send, token):
                 await resend(self.app, scope, body, receive, send, arrived, self.hold_s,
-                             self.wait_ready, self.clock)  # fmt: skip
+                             self.wait_ready, self.clock, token)  # fmt: skip
         finally:
             ticket.close()
             hold.TICKET.reset(context)
 
-    async def fast(self, scope: Scope, body: bytes, receive: Receive, send: Send) -> bool:
+    async def fast(
+        self, scope: Scope, body: bytes, receive: Receive, send: Send, token: str | None
+    ) -> bool:
         """The request held, then sent the fast way; False when it must go the full way."""
         route = route_of(route_path(scope), None)
         if self.hold is None or route is None or route[0] not in PASS_THROUGH:
             return False
         try:
-            await self.hold(_header(scope, BYPASS_HEADER))
+            await self.hold(token)
         except HoldTimeout as e:
             await hold_timeout(e).send(send)
             return True

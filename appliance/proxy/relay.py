@@ -28,7 +28,6 @@ from typing import Any
 
 from appliance.proxy.backend import CHAT, COMPLETION
 from appliance.proxy.checks import Refusal
-from appliance.proxy.hold import BYPASS_HEADER
 
 Message = dict[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -183,7 +182,7 @@ def _runtime_gone(waited_s: float, hold_s: float) -> Refusal:
 
 async def resend(
     app: ASGIApp, scope: Any, body: bytes, receive: Receive, send: Send, arrived: float,
-    hold_s: float, wait_ready: WaitReady | None, clock: Callable[[], float],
+    hold_s: float, wait_ready: WaitReady | None, clock: Callable[[], float], token: str | None,
 ) -> None:  # fmt: skip
     """The full way, sent again if the runtime died before answering.
 
@@ -204,7 +203,7 @@ async def resend(
             await held.release()
             return
         assert wait_ready is not None
-        waited = await wait_ready(left, _token(scope))
+        waited = await wait_ready(left, token)
         if waited is None:
             await _runtime_gone(clock() - arrived, hold_s).send(send)
             return
@@ -212,12 +211,3 @@ async def resend(
             f"b70: {scope['path']}: the runtime failed before answering; sent again "
             f"after {waited:.1f} s (attempt {attempt + 2} of {REPLAYS + 1})"
         )
-
-
-def _token(scope: Any) -> str | None:
-    """The request's hold token (appliance.proxy.hold.BYPASS_HEADER), if it sent one."""
-    name = BYPASS_HEADER.encode()
-    for key, value in scope.get("headers", ()):
-        if key == name:
-            return bytes(value).decode("latin-1")
-    return None
