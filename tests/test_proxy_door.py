@@ -396,11 +396,35 @@ def test_max_tokens_beyond_the_context_of_the_serving_runtime_is_400(engine: str
 
 
 def test_a_runtime_that_cannot_say_lets_the_runtime_itself_judge() -> None:
+    clock = Clock()
     runtime = Runtime("vllm", up=False)
-    gate, _ = door(runtime)
+    gate, _ = door(runtime, clock)
     assert call(gate, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 200
     runtime.up = True
+    assert call(gate, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 200
+    assert runtime.asked == ["GET /v1/models"], "not asked again before each request"
+    clock.now += proxy_backend.FACTS_TTL_S + 1
     assert call(gate, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 400
+
+
+def test_a_runtime_that_could_not_say_is_asked_again_beside_the_requests() -> None:
+    """A runtime that does not answer the door's questions (down, loading, or another kind of
+    server) costs the requests nothing: after FRESH_S it is asked again, and they go on."""
+    clock, runtime = Clock(), Runtime("vllm", up=False)
+    backend = proxy_backend.Backend("http://runtime", clock, httpx.MockTransport(runtime.handle))
+
+    async def scenario() -> None:
+        assert await backend.facts() is None
+        runtime.up = True
+        assert await backend.facts() is None and len(runtime.asked) == 1
+        clock.now += proxy_backend.FRESH_S + 0.1
+        assert await backend.facts() is None, "it went on without waiting for the answer"
+        assert backend._asking is not None
+        await backend._asking
+        assert len(runtime.asked) == 2
+        assert await backend.facts() == proxy_backend.Facts("vLLM", 2048, "smollm2")
+
+    asyncio.run(scenario())
 
 
 def test_a_kept_context_is_renewed_and_never_refuses_on_an_old_answer() -> None:

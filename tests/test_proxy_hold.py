@@ -50,11 +50,48 @@ def test_a_healthy_backend_without_a_mark_lets_requests_through_at_once(tmp_path
     assert asyncio.run(g.wait()) == 0.0
     assert asyncio.run(g.wait()) == 0.0
     assert backend.asked == 1, "a healthy answer is trusted for a while, not asked per request"
-    clock.now += waiting.HEALTH_TTL_S + 0.01
+    clock.now += waiting.HEALTH_TTL_S + waiting.HEALTH_STALE_S + 0.01
     asyncio.run(g.wait())
     assert backend.asked == 2
     assert clock.slept == []
     assert hold.read_counts(tmp_path) == hold.HeldCounts(0, 0, 0)
+
+
+def test_a_request_does_not_wait_for_the_probe_when_the_runtime_served_a_moment_ago(
+    tmp_path: Path,
+) -> None:
+    """Past HEALTH_TTL_S and within HEALTH_STALE_S, /health is asked beside the request; its
+    answer is for the requests after. An unhealthy answer holds them."""
+
+    class Answers(Backend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.answer: asyncio.Future[bool] | None = None
+
+        async def __call__(self) -> bool:
+            self.asked += 1
+            if self.answer is None:
+                return True
+            return await self.answer
+
+    async def scenario() -> None:
+        clock, backend = Clock(), Answers()
+        g = gate(tmp_path, backend, clock, hold_s=1)
+        assert await g.wait() == 0.0 and backend.asked == 1
+        clock.now += waiting.HEALTH_TTL_S + 0.01
+        backend.answer = asyncio.get_running_loop().create_future()
+        assert await g.wait() == 0.0, "it went on without the probe's answer"
+        await asyncio.sleep(0)
+        assert backend.asked == 2 and clock.slept == []
+        assert await g.wait() == 0.0 and backend.asked == 2, "one probe at a time"
+        backend.answer.set_result(False)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        with pytest.raises(waiting.HoldTimeout, match="the backend is not healthy"):
+            await g.wait()
+        assert clock.slept, "the request after the unhealthy answer was held"
+
+    asyncio.run(scenario())
 
 
 def test_a_burst_asks_the_backend_once(tmp_path: Path) -> None:

@@ -63,12 +63,20 @@ class Backend:
         return self._client
 
     async def facts(self, fresh: bool = False) -> Facts | None:
-        """What the runtime said, kept; `fresh`: asked again unless the answer is FRESH_S old."""
+        """What the runtime said, kept; `fresh`: asked again unless the answer is FRESH_S old.
+
+        A runtime that could not say (down, loading, or one that does not answer these
+        questions) is asked again after FRESH_S, beside the requests: they go on without its
+        facts, as when it cannot count a prompt, rather than each waiting for the question."""
         age = self.clock() - self.known_at
         if self.known is not None and not (fresh and age > FRESH_S):
             if age > FACTS_TTL_S:
                 self._ask()  # renewed in the background; this request goes on with what is known
             return self.known
+        if self.known is None and age <= FACTS_TTL_S and not fresh:
+            if age > FRESH_S:
+                self._ask()
+            return None
         return await asyncio.shield(self._ask())
 
     def _ask(self) -> asyncio.Task[Facts | None]:
@@ -81,7 +89,7 @@ class Backend:
             facts = await self._query_facts()
         except Exception:  # whatever answers on the port, a request never fails because of it
             facts = None
-        self.known, self.known_at = facts, self.clock() if facts else -math.inf
+        self.known, self.known_at = facts, self.clock()
         return facts
 
     async def _query_facts(self) -> Facts | None:

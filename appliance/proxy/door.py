@@ -47,9 +47,9 @@ import hmac
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
-from appliance.proxy import hold
+from appliance.proxy import direct, hold
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
 from appliance.proxy.checks import Refusal, check_request, parse_body
 from appliance.proxy.relay import PASS_THROUGH, WaitReady, log, relay, replay, resend
@@ -63,6 +63,8 @@ ASGIApp = Callable[[Any, Receive, Send], Awaitable[None]]
 # Holds a request while the runtime cannot take it (raises HoldTimeout when the hold time runs
 # out). The token is the request's hold token (a switch's own request passes the switch's hold).
 Hold = Callable[[str | None], Awaitable[float]]
+# Where a model name's one deployment is served, when the door may send it there itself.
+Direct = Callable[[str], direct.Target | None]
 
 MIB = 1024 * 1024
 BYPASS_HEADER = hold.BYPASS_HEADER.encode()
@@ -162,6 +164,7 @@ class Door:
         hold_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         hold: Hold | None = None,
+        direct_to: Direct | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
@@ -172,6 +175,7 @@ class Door:
         self.hold_s = hold_s
         self.clock = clock
         self.hold = hold  # the request hold of the fast way; None: every request the full way
+        self.direct_to = direct_to  # None: the fast way is LiteLLM's pass-through route
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -182,7 +186,7 @@ class Door:
             return
         arrived = self.clock()
         try:
-            body = await self.check(scope, receive)
+            checked = await self.check(scope, receive)
         except Refusal as refusal:
             # Its traceback holds the frames that hold the request (megabytes, maybe): let them
             # go now rather than at the next collection of reference cycles.
@@ -191,13 +195,13 @@ class Door:
             return
         except _Disconnected:
             return
-        if body is None:
+        if checked is None:
             await self.app(scope, receive, send)
         else:
-            await self.forward(scope, body, receive, send, arrived)
+            await self.forward(scope, checked, receive, send, arrived)
 
     async def forward(
-        self, scope: Scope, body: bytes, receive: Receive, send: Send, arrived: float
+        self, scope: Scope, checked: Checked, receive: Receive, send: Send, arrived: float
     ) -> None:
         """A request to the model: held while the runtime cannot take it, then the fast way
         (appliance.proxy.relay), or the full way through LiteLLM's chat or completion route,
@@ -206,17 +210,20 @@ class Door:
         context = hold.TICKET.set(ticket)
         token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
         try:
-            if not await self.fast(scope, body, receive, send, token):
-                await resend(self.app, scope, body, receive, send, arrived, self.hold_s,
+            if not await self.fast(scope, checked, receive, send, token, arrived):
+                await resend(self.app, scope, checked.body, receive, send, arrived, self.hold_s,
                              self.wait_ready, self.clock, token)  # fmt: skip
         finally:
             ticket.close()
             hold.TICKET.reset(context)
 
     async def fast(
-        self, scope: Scope, body: bytes, receive: Receive, send: Send, token: str | None
-    ) -> bool:
-        """The request held, then sent the fast way; False when it must go the full way."""
+        self, scope: Scope, checked: Checked, receive: Receive, send: Send, token: str | None,
+        arrived: float,
+    ) -> bool:  # fmt: skip
+        """The request held, then sent the fast way: straight to the runtime when the model
+        has one deployment (appliance.proxy.direct), else LiteLLM's pass-through route
+        (appliance.proxy.relay). False when it must go the full way."""
         route = route_of(route_path(scope), None)
         if self.hold is None or route is None or route[0] not in PASS_THROUGH:
             return False
@@ -225,12 +232,21 @@ class Door:
         except HoldTimeout as e:
             await hold_timeout(e).send(send)
             return True
-        if await relay(self.app, scope, route[0], replay(body, receive), send):
+        target = self.direct_to(checked.model) if self.direct_to is not None else None
+        if target is not None:
+            body = direct.as_served(checked.body, checked.model, target)
+            way = await direct.relay(target, route[0], body, receive, send, direct.timeout_s())
+            if way == direct.ANSWERED:
+                return True
+            if way == direct.NOT_READY and self.wait_ready is not None:
+                # The runtime stopped serving: held, like a request that finds it down.
+                await self.wait_ready(max(0.0, self.hold_s - (self.clock() - arrived)), token)
+        elif await relay(self.app, scope, route[0], replay(checked.body, receive), send):
             return True
         log(f"b70: {route_path(scope)}: no answer the fast way; sent again the full way")
         return False
 
-    async def check(self, scope: Scope, receive: Receive) -> bytes | None:
+    async def check(self, scope: Scope, receive: Receive) -> Checked | None:
         """Refuses the request, or gives the body read here (None: no body is read here)."""
         path, method, models = route_path(scope), str(scope["method"]), self.models()
         route = route_of(path, models)
@@ -263,7 +279,7 @@ class Door:
         refusal = await check_request(kind, data, len(body), models, self.backend)
         if refusal is not None:
             raise refusal
-        return body
+        return Checked(body, data["model"])
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
@@ -283,6 +299,13 @@ class Door:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+class Checked(NamedTuple):
+    """A request to the model that passed the door's checks."""
+
+    body: bytes
+    model: str  # the name it asked for, one the router serves
 
 
 class _Disconnected(Exception):

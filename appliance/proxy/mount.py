@@ -15,8 +15,9 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from appliance.proxy import direct
 from appliance.proxy.backend import Backend
-from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, ASGIApp, Door, Hold
+from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, ASGIApp, Direct, Door, Hold
 from appliance.proxy.relay import WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -30,6 +31,25 @@ def router_models() -> Collection[str] | None:
     if not names:
         return None
     return {*names, *(getattr(router, "model_group_alias", None) or {})}
+
+
+def direct_to(backend_url: str) -> Direct:
+    """Where the router would send a model name, when it has one deployment of it and that is the
+    appliance's runtime (appliance.proxy.direct); None when the router must choose."""
+
+    def target(name: str) -> direct.Target | None:
+        server = sys.modules.get("litellm.proxy.proxy_server")
+        router = getattr(server, "llm_router", None)
+        if router is None:
+            return None
+        group = (getattr(router, "model_group_alias", None) or {}).get(name, name)
+        if isinstance(group, dict):  # {"model": NAME, "hidden": BOOL}
+            group = group.get("model")
+        if not isinstance(group, str):
+            return None
+        return direct.target_of(getattr(router, "model_list", None) or (), group, backend_url)
+
+    return target
 
 
 def max_body_bytes(env: Mapping[str, str]) -> int:
@@ -81,6 +101,7 @@ def install_in_proxy(
         lambda inner: Door(
             inner, backend, router_models, max_body_bytes=limit, wait_ready=wait_ready,
             hold_s=hold_s, hold=hold if pass_through else None,
+            direct_to=direct_to(url) if url else None,
         ),
     )  # fmt: skip
     give_large_blocks_back()

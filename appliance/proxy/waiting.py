@@ -18,6 +18,10 @@ from appliance.proxy.hold import TICKET, HeldCounts, OpenRequests, read_mark, wr
 
 POLL_S = 0.2
 HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
+# ... and for this long after, a request goes on while /health is asked again beside it, so no
+# request waits for a probe while the runtime serves. A runtime that died in that time fails the
+# request's connection, and the door holds it then (appliance.proxy.hook.wait_ready).
+HEALTH_STALE_S = 2.0
 
 
 class HoldTimeout(Exception):
@@ -58,21 +62,28 @@ class Gate:
         mark = read_mark(self.state_dir)
         if mark is not None and not (token and hmac.compare_digest(token, mark.token)):
             return f"switching to {mark.target}"
-        if mark is not None or self.clock() < self.healthy_until:
+        now = self.clock()
+        if mark is not None or now < self.healthy_until:
             return None
-        if await self.probe_once():
-            self.healthy_until = self.clock() + HEALTH_TTL_S
-            return None
-        return "the backend is not healthy"
+        probing = self.probe_once()
+        if now < self.healthy_until + HEALTH_STALE_S:
+            return None  # healthy a moment ago: it goes on, and the answer comes for the next
+        # shielded: a request that is cancelled (its client left) leaves the probe to the others
+        return None if await asyncio.shield(probing) else "the backend is not healthy"
 
-    async def probe_once(self) -> bool:
-        """The probe's answer, asked once for every request that needs it at the same moment:
-        a burst that arrives when the last answer has aged asks /health once, not once each."""
+    def probe_once(self) -> asyncio.Future[bool]:
+        """The probe being asked, once for every request that needs it at the same moment: a
+        burst that arrives when the last answer has aged asks /health once, not once each. Its
+        answer is kept in `healthy_until`."""
         if self.probing is None:
             self.probing = asyncio.ensure_future(self.probe())
-            self.probing.add_done_callback(lambda _: setattr(self, "probing", None))
-        # shielded: a request that is cancelled (its client left) leaves the probe to the others
-        return await asyncio.shield(self.probing)
+            self.probing.add_done_callback(self._probed)
+        return self.probing
+
+    def _probed(self, probing: asyncio.Future[bool]) -> None:
+        self.probing = None
+        healthy = not probing.cancelled() and probing.exception() is None and probing.result()
+        self.healthy_until = self.clock() + HEALTH_TTL_S if healthy else -math.inf
 
     async def wait(self, token: str | None = None, limit_s: float | None = None) -> float:
         """Seconds waited; raises HoldTimeout when the hold time (or `limit_s`) runs out.

@@ -1,0 +1,223 @@
+"""The fast way of a checked request when the model has one deployment: straight to the runtime.
+
+The appliance serves each model name from one runtime at a time, on the backend port that every
+runtime shares, so LiteLLM's router has nothing to choose. Its pass-through route
+(appliance.proxy.relay) still costs about 25 ms of CPU per request on a 2-core machine
+(authentication again, the router, a logging object, a task in a thread pool); a burst of 64
+requests waits for that work on each worker's event loop. Here the door sends the checked body
+itself, over a new loopback connection (a kept one may be closed by the runtime just as it is
+used, RECIPES.md 7), and relays the runtime's own bytes: what the pass-through route relays.
+
+The runtime receives the body as the door checked it, under the model name the router resolves
+(an alias becomes the deployment's name), and no header of the client's. As on the pass-through
+route, the answer is kept back until its first bytes: an error status, a refused or reset
+connection, or a runtime that dies before its first event, and the request goes the full way
+instead (LiteLLM's chat or completion route), which names the error, or waits for the runtime
+and sends the request again. A client that leaves closes the connection to the runtime, which
+then stops generating. A request has at most LiteLLM's `request_timeout` seconds, as on the full
+way.
+
+When the model has several deployments, or one that is not the appliance's runtime, the router
+decides and the request takes the pass-through route.
+
+Imported by the proxy: nothing from the rest of the controller but appliance.proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import h11
+
+from appliance.proxy.backend import CHAT, COMPLETION
+from appliance.proxy.checks import Refusal
+
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+# What became of a request sent here.
+ANSWERED = "answered"  # its answer went to the client, whole or begun, or the client left
+FULL_WAY = "full way"  # it failed before its first bytes: send it the full way
+NOT_READY = "not ready"  # ... and the runtime is not serving (refused, closed, 503): wait first
+
+ENDPOINTS = {CHAT: "/chat/completions", COMPLETION: "/completions"}
+PROVIDER = "hosted_vllm/"  # the provider of the rendered deployment (templates/litellm.yaml.j2)
+DEFAULT_TIMEOUT_S = 600.0  # LiteLLM's request_timeout, when the proxy does not say
+READ_BYTES = 65536
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the proxy's own server writes.
+NOT_RELAYED = frozenset(
+    (b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+     b"proxy-connection", b"server", b"date")
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a model's one deployment is served: the runtime's address and the name it serves."""
+
+    host: str
+    port: int
+    base_path: str  # the deployment's api_base path, /v1
+    model: str
+
+
+def target_of(
+    deployments: Iterable[Mapping[str, Any]], name: str, backend_url: str
+) -> Target | None:
+    """The runtime that serves `name`, when the router's only deployment of it is the appliance's
+    runtime (an OpenAI-compatible `hosted_vllm` deployment on the backend); None otherwise."""
+    found = [d for d in deployments if d.get("model_name") == name]
+    if len(found) != 1:
+        return None
+    params = found[0].get("litellm_params") or {}
+    model, api_base = params.get("model"), params.get("api_base")
+    if not (isinstance(model, str) and model.startswith(PROVIDER) and isinstance(api_base, str)):
+        return None
+    base = urllib.parse.urlsplit(api_base.rstrip("/"))
+    if base.scheme != "http" or f"{base.scheme}://{base.netloc}" != backend_url.rstrip("/"):
+        return None
+    if base.hostname is None or base.query or base.fragment:
+        return None
+    try:
+        port = base.port or 80
+    except ValueError:
+        return None
+    return Target(base.hostname, port, base.path, model.removeprefix(PROVIDER))
+
+
+def as_served(body: bytes, asked: str, target: Target) -> bytes:
+    """The body under the name the runtime serves: unchanged unless the client used an alias."""
+    if asked == target.model:
+        return body
+    data = json.loads(body)
+    data["model"] = target.model
+    return json.dumps(data, ensure_ascii=False).encode()
+
+
+def timeout_s() -> float:
+    """LiteLLM's request_timeout (litellm_settings in the rendered litellm.yaml)."""
+    value = getattr(sys.modules.get("litellm"), "request_timeout", None)
+    return float(value) if isinstance(value, int | float) and value > 0 else DEFAULT_TIMEOUT_S
+
+
+async def relay(
+    target: Target, kind: str, body: bytes, receive: Receive, send: Send, limit_s: float
+) -> str:
+    """Send the request to the runtime and relay its answer: ANSWERED, FULL_WAY or NOT_READY.
+    `receive` gives the client's messages after its body: a disconnect."""
+    try:
+        reader, writer = await asyncio.open_connection(target.host, target.port)
+    except OSError:
+        return NOT_READY
+    exchange = _Exchange(target, reader, writer, send)
+    # The body was read by the door: the client's next message says it left.
+    watch = asyncio.ensure_future(receive())
+    watch.add_done_callback(exchange.client_left)
+    try:
+        async with asyncio.timeout(limit_s):
+            return await exchange.run(kind, body)
+    except TimeoutError:
+        if exchange.begun:
+            log(f"b70: the runtime's answer took more than {limit_s:g} s; it was cut there")
+            return ANSWERED
+        await Refusal(
+            504, f"the runtime did not answer within {limit_s:g} s (request_timeout)",
+            "b70_runtime_timeout", kind="timeout",
+        ).send(send)  # fmt: skip
+        return ANSWERED
+    finally:
+        watch.remove_done_callback(exchange.client_left)
+        watch.cancel()
+        writer.transport.abort()
+
+
+class _Exchange:
+    """One request to the runtime and its answer, relayed as it comes."""
+
+    def __init__(
+        self, target: Target, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+        send: Send,
+    ) -> None:  # fmt: skip
+        self.target = target
+        self.reader = reader
+        self.writer = writer
+        self.send = send
+        self.begun = False  # a byte of the answer's body went to the client
+        self.left = False  # the client left
+
+    def client_left(self, watch: asyncio.Future[Message]) -> None:
+        if watch.cancelled() or watch.exception() is not None:
+            return
+        if watch.result().get("type") == "http.disconnect":
+            self.left = True
+            self.writer.transport.abort()  # the runtime sees it and stops generating
+
+    async def run(self, kind: str, body: bytes) -> str:
+        connection = h11.Connection(h11.CLIENT)
+        request = h11.Request(
+            method="POST",
+            target=self.target.base_path + ENDPOINTS[kind],
+            headers=[
+                ("Host", f"{self.target.host}:{self.target.port}"),
+                ("Content-Type", "application/json"),
+                ("Content-Length", str(len(body))),
+                ("Connection", "close"),
+            ],
+        )
+        try:
+            self.writer.write(connection.send(request) + body)
+            return await self._answer(connection)
+        except (OSError, h11.ProtocolError) as e:
+            if self.left:
+                return ANSWERED
+            if self.begun:  # the answer stays unfinished, so the client sees it end early
+                log(f"b70: the runtime's answer ended before its end ({type(e).__name__})")
+                return ANSWERED
+            return NOT_READY
+
+    async def _answer(self, connection: h11.Connection) -> str:
+        start: Message | None = None
+        while True:
+            event = connection.next_event()
+            if event is h11.NEED_DATA:
+                connection.receive_data(await self.reader.read(READ_BYTES))
+            elif isinstance(event, h11.Response):
+                if event.status_code == 503:  # loading, or not serving
+                    return NOT_READY
+                if event.status_code >= 400:
+                    return FULL_WAY  # which names the error as LiteLLM does
+                start = {
+                    "type": "http.response.start",
+                    "status": event.status_code,
+                    "headers": [(k, v) for k, v in event.headers if k not in NOT_RELAYED],
+                }
+            elif isinstance(event, h11.Data) and start is not None:
+                if not event.data:
+                    continue
+                if not self.begun:
+                    self.begun = True
+                    await self.send(start)
+                await self.send(
+                    {"type": "http.response.body", "body": bytes(event.data), "more_body": True}
+                )
+            elif isinstance(event, h11.EndOfMessage) and start is not None:
+                if not self.begun:
+                    self.begun = True
+                    await self.send(start)
+                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                return ANSWERED
+            elif isinstance(event, h11.ConnectionClosed):  # before the answer's end
+                raise h11.RemoteProtocolError("the runtime closed the connection", 502)
+            # else an informational answer (1xx): the answer follows
+
+
+def log(line: str) -> None:
+    """One line to the proxy's journal (stderr)."""
+    print(line, file=sys.stderr, flush=True)

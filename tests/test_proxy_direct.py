@@ -1,0 +1,362 @@
+"""The door's way straight to the runtime (appliance.proxy.direct), against a runtime that is a
+real TCP server in the test's event loop and answers as each test scripts it; the same way runs
+inside the real proxy in tests/test_door_real.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import types
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from appliance.proxy import direct, mount
+from appliance.proxy import door as proxy_door
+from appliance.proxy.backend import CHAT, COMPLETION
+
+KEY = "sk-b70-right"
+BODY = json.dumps({"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}).encode()
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Runtime:
+    """A TCP server on loopback that reads one request per connection and runs `script`."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[tuple[bytes, bytes]] = []  # head, body
+        self.closed = asyncio.Event()  # the proxy closed a connection
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Runtime:
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return int(self.server.sockets[0].getsockname()[1])
+
+    def target(self) -> direct.Target:
+        return direct.Target("127.0.0.1", self.port, "/v1", "smollm2")
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        self.requests.append((head, await reader.readexactly(length)))
+        try:
+            await self.script(reader, writer)
+        finally:
+            writer.close()
+
+
+def answer(status: int, body: bytes, content_type: bytes = b"application/json") -> Script:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\nServer: rt\r\n"
+            b"Date: now\r\nConnection: close\r\n\r\n%s" % (status, content_type, len(body), body)
+        )
+        await writer.drain()
+
+    return script
+
+
+def stream(events: list[bytes], end: bool = True, status: int = 200) -> Script:
+    """A chunked event stream; `end`: it ends as it should, else the runtime dies after it."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(
+            b"HTTP/1.1 %d OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n" % status
+        )
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        if end:
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    return script
+
+
+class Client:
+    """The ASGI side: what the client was sent, and a `receive` that says it left when told."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.leave = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        await self.leave.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.messages.append(message)
+
+    @property
+    def status(self) -> int | None:
+        starts = [m for m in self.messages if m["type"] == "http.response.start"]
+        return starts[0]["status"] if starts else None
+
+    @property
+    def headers(self) -> dict[bytes, bytes]:
+        return dict(self.messages[0]["headers"])
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(m.get("body", b"") for m in self.messages[1:])
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.messages) and self.messages[-1].get("more_body") is False
+
+
+def relay(runtime: Runtime, client: Client, kind: str = CHAT, limit_s: float = 10) -> str:
+    return asyncio.run(_relay(runtime, client, kind, limit_s))
+
+
+async def _relay(runtime: Runtime, client: Client, kind: str, limit_s: float) -> str:
+    async with runtime:
+        return await direct.relay(
+            runtime.target(), kind, BODY, client.receive, client.send, limit_s
+        )
+
+
+# --- which requests go straight to the runtime ------------------------------------------------
+
+
+def deployment(name: str, model: str, api_base: str) -> dict[str, Any]:
+    return {"model_name": name, "litellm_params": {"model": model, "api_base": api_base}}
+
+
+BACKEND = "http://127.0.0.1:8001"
+
+
+@pytest.mark.parametrize(
+    ("deployments", "expected"),
+    [
+        ([deployment("smollm2", "hosted_vllm/smollm2", BACKEND + "/v1")],
+         direct.Target("127.0.0.1", 8001, "/v1", "smollm2")),
+        ([deployment("smollm2", "hosted_vllm/served", BACKEND + "/v1/")],
+         direct.Target("127.0.0.1", 8001, "/v1", "served")),
+        # the router chooses between several deployments
+        ([deployment("smollm2", "hosted_vllm/smollm2", BACKEND + "/v1")] * 2, None),
+        ([deployment("other", "hosted_vllm/other", BACKEND + "/v1")], None),
+        # not the appliance's runtime: another provider, another address, TLS
+        ([deployment("smollm2", "openai/smollm2", BACKEND + "/v1")], None),
+        ([deployment("smollm2", "hosted_vllm/smollm2", "http://10.0.0.2:8001/v1")], None),
+        ([deployment("smollm2", "hosted_vllm/smollm2", "https://127.0.0.1:8001/v1")], None),
+        ([deployment("smollm2", "hosted_vllm/smollm2", BACKEND + "/v1?x=1")], None),
+        ([{"model_name": "smollm2", "litellm_params": {"model": "hosted_vllm/smollm2"}}], None),
+    ],
+)  # fmt: skip
+def test_a_model_goes_straight_to_the_runtime_only_when_that_is_its_one_deployment(
+    deployments: list[dict[str, Any]], expected: direct.Target | None
+) -> None:
+    assert direct.target_of(deployments, "smollm2", BACKEND) == expected
+
+
+def test_an_alias_is_looked_up_in_the_router_and_sent_under_the_served_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    router = types.SimpleNamespace(
+        model_list=[deployment("smollm2", "hosted_vllm/smollm2", BACKEND + "/v1")],
+        model_group_alias={"default": "smollm2", "hidden": {"model": "smollm2", "hidden": True}},
+    )
+    server = types.SimpleNamespace(llm_router=router)
+    monkeypatch.setitem(sys.modules, "litellm.proxy.proxy_server", server)
+    target_of = mount.direct_to(BACKEND)
+    expected = direct.Target("127.0.0.1", 8001, "/v1", "smollm2")
+    assert target_of("smollm2") == target_of("default") == target_of("hidden") == expected
+    assert target_of("unknown") is None
+    assert direct.as_served(BODY, "smollm2", expected) is BODY
+    aliased = json.loads(BODY) | {"model": "default", "temperature": 0.5, "text": "ünï"}
+    sent = json.loads(direct.as_served(json.dumps(aliased).encode(), "default", expected))
+    assert sent == aliased | {"model": "smollm2"}
+    monkeypatch.setattr(server, "llm_router", None)
+    assert target_of("smollm2") is None
+
+
+# --- the exchange ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "path"), [(CHAT, b"/v1/chat/completions"),
+                                             (COMPLETION, b"/v1/completions")])  # fmt: skip
+def test_an_answer_is_relayed_as_the_runtime_gave_it(kind: str, path: bytes) -> None:
+    runtime, client = Runtime(answer(200, b'{"id": "x"}')), Client()
+    assert relay(runtime, client, kind) == direct.ANSWERED
+    assert (client.status, client.body, client.finished) == (200, b'{"id": "x"}', True)
+    assert client.headers == {b"content-type": b"application/json", b"content-length": b"11"}
+    ((head, body),) = runtime.requests
+    assert head.startswith(b"POST " + path + b" HTTP/1.1\r\n") and body == BODY
+    sent = {line.split(b":")[0].lower() for line in head.split(b"\r\n")[1:] if line}
+    assert sent == {b"host", b"content-type", b"content-length", b"connection"}
+
+
+def test_a_stream_is_relayed_event_by_event_to_its_end() -> None:
+    events = [b"data: 1\n\n", b"data: 2\n\n", b"data: [DONE]\n\n"]
+    runtime, client = Runtime(stream(events)), Client()
+    assert relay(runtime, client) == direct.ANSWERED
+    assert client.status == 200 and client.headers == {b"content-type": b"text/event-stream"}
+    assert [m["body"] for m in client.messages[1:-1]] == events
+    assert client.finished
+
+
+@pytest.mark.parametrize(
+    ("script", "way"),
+    [
+        (answer(503, b'{"error": "Loading model"}'), direct.NOT_READY),
+        (answer(400, b'{"error": "bad"}'), direct.FULL_WAY),
+        (answer(500, b'{"error": "boom"}'), direct.FULL_WAY),
+        (stream([], end=False), direct.NOT_READY),  # died after its status line
+    ],
+)
+def test_an_answer_that_fails_before_its_first_bytes_is_kept_back(script: Script, way: str) -> None:
+    client = Client()
+    assert relay(Runtime(script), client) == way
+    assert client.messages == []
+
+
+def test_a_runtime_that_refuses_the_connection_is_not_ready() -> None:
+    async def scenario() -> str:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        client = Client()
+        target = direct.Target("127.0.0.1", port, "/v1", "smollm2")
+        return await direct.relay(target, CHAT, BODY, client.receive, client.send, 5)
+
+    assert asyncio.run(scenario()) == direct.NOT_READY
+
+
+def test_an_answer_that_has_begun_is_never_taken_back_and_is_left_unfinished() -> None:
+    """The runtime dies after its first event: the client has it, and its answer does not end
+    as a whole answer would (so the server closes the connection without a last chunk)."""
+    runtime, client = Runtime(stream([b"data: 1\n\n"], end=False)), Client()
+    assert relay(runtime, client) == direct.ANSWERED
+    assert client.body == b"data: 1\n\n" and not client.finished
+
+
+def test_a_client_that_leaves_closes_the_connection_to_the_runtime() -> None:
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        while True:
+            writer.write(b"9\r\ndata: 1\n\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.01)
+
+    async def scenario() -> tuple[str, bool]:
+        client = Client()
+        async with Runtime(endless) as runtime:
+            relaying = asyncio.ensure_future(
+                direct.relay(runtime.target(), CHAT, BODY, client.receive, client.send, 10)
+            )
+            while len(client.messages) < 3:
+                await asyncio.sleep(0.01)
+            client.leave.set()
+            way = await asyncio.wait_for(relaying, 5)
+            return way, not client.finished
+
+    way, unfinished = asyncio.run(scenario())
+    assert way == direct.ANSWERED and unfinished
+
+
+def test_a_runtime_silent_past_the_request_timeout_is_a_504() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(30)
+
+    client = Client()
+    assert relay(Runtime(silent), client, limit_s=0.2) == direct.ANSWERED
+    assert client.status == 504
+    error = json.loads(client.body)["error"]
+    assert error["code"] == "b70_runtime_timeout" and "0.2 s" in error["message"]
+
+
+# --- the door ------------------------------------------------------------------------------------
+
+
+class Inner:
+    """LiteLLM's app: it answers 200 and keeps the bodies it got."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.bodies.append((await receive()).get("body", b""))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"the full way"})
+
+
+def through_door(script: Script | None) -> tuple[Client, Inner, list[float]]:
+    """One chat request through a door whose model goes straight to a scripted runtime (None:
+    nothing listens); what the client got, what LiteLLM got, and the waits for the runtime."""
+    client, inner, waits = Client(), Inner(), []
+
+    async def wait_ready(limit_s: float, token: str | None) -> float:
+        waits.append(limit_s)
+        return 0.0
+
+    async def hold(token: str | None) -> float:
+        return 0.0
+
+    async def scenario() -> None:
+        async with Runtime(script or answer(200, b"")) as runtime:
+            target = runtime.target()
+            if script is None:
+                runtime.server.close()  # type: ignore[union-attr]
+                await runtime.server.wait_closed()  # type: ignore[union-attr]
+            door = proxy_door.Door(
+                inner, None, lambda: {"smollm2"}, lambda: KEY, wait_ready=wait_ready,
+                hold_s=60, hold=hold, direct_to=lambda name: target,
+            )  # fmt: skip
+            scope = {
+                "type": "http", "method": "POST", "path": "/v1/chat/completions",
+                "root_path": "", "query_string": b"",
+                "headers": [(b"authorization", f"Bearer {KEY}".encode()),
+                            (b"content-length", str(len(BODY)).encode())],
+            }  # fmt: skip
+            sent = False
+
+            async def receive() -> dict[str, Any]:
+                nonlocal sent
+                if not sent:
+                    sent = True
+                    return {"type": "http.request", "body": BODY, "more_body": False}
+                return await client.receive()
+
+            await door(scope, receive, client.send)
+
+    asyncio.run(scenario())
+    return client, inner, waits
+
+
+def test_the_door_sends_a_checked_request_straight_to_the_runtime() -> None:
+    client, inner, waits = through_door(answer(200, b'{"id": "x"}'))
+    assert (client.status, client.body) == (200, b'{"id": "x"}')
+    assert inner.bodies == [] and waits == []
+
+
+def test_a_runtime_that_is_not_serving_holds_the_request_then_it_goes_the_full_way() -> None:
+    for script in (None, answer(503, b"Loading model")):
+        client, inner, waits = through_door(script)
+        assert (client.status, client.body) == (200, b"the full way")
+        assert inner.bodies == [BODY] and len(waits) == 1 and 59 < waits[0] <= 60
+
+
+def test_a_runtime_error_goes_the_full_way_at_once() -> None:
+    client, inner, waits = through_door(answer(400, b'{"error": "bad"}'))
+    assert (client.status, client.body) == (200, b"the full way")
+    assert inner.bodies == [BODY] and waits == []
