@@ -298,6 +298,38 @@ def test_what_the_runtime_refuses_names_the_runtime(door_app: Appliance, serving
     assert "Hosted_vllm" not in message
 
 
+# LiteLLM's layers that shape every answer's headers, as its own routes give them.
+LAYER_HEADERS = (
+    "access-control-allow-origin",
+    "access-control-expose-headers",
+    "x-frame-options",
+    "content-security-policy",
+    "x-content-type-options",
+)
+
+
+def test_a_model_request_goes_straight_to_the_runtime_with_the_proxys_answer_headers(
+    door_app: Appliance, serving: str
+) -> None:
+    """The door sends a checked request to the runtime itself: its answer has none of the
+    x-litellm-* headers LiteLLM's chat and pass-through routes add, an alias reaches the runtime
+    under the name it serves, and a browser gets the CORS and security headers that LiteLLM's
+    own routes give (its layers, as the proxy configures them)."""
+    origin = {"Origin": "https://chat.example"}
+    with client(door_app) as c:
+        models = c.get("/v1/models", headers=origin)
+        assert models.status_code == 200 and models.headers["access-control-allow-origin"]
+        for body in (CHAT, {**CHAT, "model": "default"}, {**CHAT, "stream": True}, COMPLETION):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            r = c.post(path, json=body, headers=origin)
+            assert r.status_code == 200, r.text
+            assert [h for h in r.headers if h.startswith("x-litellm")] == [], body
+            for name in LAYER_HEADERS:
+                assert r.headers.get(name) == models.headers.get(name), (name, body)
+            if not body.get("stream"):
+                assert r.json()["model"] == "smollm2"
+
+
 # --- clients that leave, clients that wait --------------------------------------------------------
 
 

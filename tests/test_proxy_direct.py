@@ -360,3 +360,51 @@ def test_a_runtime_error_goes_the_full_way_at_once() -> None:
     client, inner, waits = through_door(answer(400, b'{"error": "bad"}'))
     assert (client.status, client.body) == (200, b"the full way")
     assert inner.bodies == [BODY] and waits == []
+
+
+def test_the_direct_way_passes_through_the_proxys_answer_layers_only() -> None:
+    """CORS and the security headers, as the proxy's app configures them, and no other layer
+    of its (a layer that fails here stands for LiteLLM's others)."""
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
+
+    class SecurityHeadersMiddleware:
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            async def with_header(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message["headers"], (b"x-frame-options", b"DENY")]
+                await send(message)
+
+            await self.app(scope, receive, with_header)
+
+    class Other:
+        def __init__(self, app: Any) -> None:
+            raise AssertionError("not an answer layer")
+
+    server_app = types.SimpleNamespace(user_middleware=[
+        Middleware(Other), Middleware(CORSMiddleware, allow_origins=["*"]),
+        Middleware(SecurityHeadersMiddleware),
+    ])  # fmt: skip
+    wrap = mount.answer_layers(server_app)
+    client = Client()
+
+    async def scenario() -> None:
+        async with Runtime(answer(200, b"{}")) as runtime:
+            call = direct.Call(runtime.target(), CHAT, BODY)
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/chat/completions",
+                "headers": [(b"origin", b"https://chat.example")],
+                call.SCOPE_KEY: call,
+            }
+            await wrap(direct.Call.endpoint)(scope, client.receive, client.send)
+            assert call.way == direct.ANSWERED
+
+    asyncio.run(scenario())
+    assert client.status == 200
+    assert client.headers[b"access-control-allow-origin"] == b"*"
+    assert client.headers[b"x-frame-options"] == b"DENY"

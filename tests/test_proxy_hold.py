@@ -251,3 +251,13 @@ def test_open_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> Non
     here = hold.OpenRequests(tmp_path)
     here.add(+2)
     assert hold.read_open(tmp_path) == 2, "a new worker takes a free slot from zero"
+
+
+def test_the_fast_way_is_held_by_a_mark_but_never_waits_for_a_probe(tmp_path: Path) -> None:
+    """The door's fast way learns from its own connection whether the runtime serves."""
+    clock, backend = Clock(), Backend(healthy=False)
+    g = gate(tmp_path, backend, clock, hold_s=1)
+    assert asyncio.run(g.wait(health=False)) == 0.0 and backend.asked == 0
+    with hold.marked(tmp_path, "vllm"), pytest.raises(waiting.HoldTimeout, match="to vllm"):
+        asyncio.run(g.wait(health=False))
+    assert backend.asked == 0 and clock.slept

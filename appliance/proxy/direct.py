@@ -31,7 +31,7 @@ import sys
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import h11
 
@@ -56,6 +56,25 @@ NOT_RELAYED = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
      b"proxy-connection", b"server", b"date")
 )  # fmt: skip
+
+
+@dataclass
+class Call:
+    """One request the door sends straight to the runtime, through the layers of LiteLLM's that
+    shape every answer's headers (appliance.proxy.mount.answer_layers), and what became of it."""
+
+    target: Target
+    kind: str
+    body: bytes
+    way: str = FULL_WAY
+
+    SCOPE_KEY: ClassVar[str] = "b70.direct"  # where the call rides in the request's ASGI scope
+
+    @staticmethod
+    async def endpoint(scope: Any, receive: Receive, send: Send) -> None:
+        """The ASGI app inside the layers: it makes the call the scope carries."""
+        call: Call = scope[Call.SCOPE_KEY]
+        call.way = await relay(call.target, call.kind, call.body, receive, send, timeout_s())
 
 
 @dataclass(frozen=True)

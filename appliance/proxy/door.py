@@ -165,6 +165,7 @@ class Door:
         clock: Callable[[], float] = time.monotonic,
         hold: Hold | None = None,
         direct_to: Direct | None = None,
+        answer_layers: Callable[[ASGIApp], ASGIApp] = lambda app: app,
     ) -> None:
         self.app = app
         self.backend = backend
@@ -176,6 +177,8 @@ class Door:
         self.clock = clock
         self.hold = hold  # the request hold of the fast way; None: every request the full way
         self.direct_to = direct_to  # None: the fast way is LiteLLM's pass-through route
+        # LiteLLM's layers that shape an answer's headers (CORS, security), around the direct way
+        self.direct_app = answer_layers(direct.Call.endpoint)
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -234,11 +237,13 @@ class Door:
             return True
         target = self.direct_to(checked.model) if self.direct_to is not None else None
         if target is not None:
-            body = direct.as_served(checked.body, checked.model, target)
-            way = await direct.relay(target, route[0], body, receive, send, direct.timeout_s())
-            if way == direct.ANSWERED:
+            call = direct.Call(
+                target, route[0], direct.as_served(checked.body, checked.model, target)
+            )
+            await self.direct_app({**scope, call.SCOPE_KEY: call}, receive, send)
+            if call.way == direct.ANSWERED:
                 return True
-            if way == direct.NOT_READY and self.wait_ready is not None:
+            if call.way == direct.NOT_READY and self.wait_ready is not None:
                 # The runtime stopped serving: held, like a request that finds it down.
                 await self.wait_ready(max(0.0, self.hold_s - (self.clock() - arrived)), token)
         elif await relay(self.app, scope, route[0], replay(checked.body, receive), send):

@@ -136,8 +136,11 @@ async def wait_ready(limit_s: float, token: str | None) -> float | None:
 
 
 async def hold_request(token: str | None) -> float:
-    """For the door's fast way, which LiteLLM's pre-call hooks do not see: the same hold."""
-    return await hold.gate.wait(token)
+    """For the door's fast way, which LiteLLM's pre-call hooks do not see: the same hold, but for
+    /health. The request's own connection says whether the runtime serves (refused, or 503
+    while it loads), and the door then holds it with wait_ready; no request waits for a probe,
+    nor shares its worker with one, while the runtime answers."""
+    return await hold.gate.wait(token, health=False)
 
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).

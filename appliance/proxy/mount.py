@@ -52,6 +52,27 @@ def direct_to(backend_url: str) -> Direct:
     return target
 
 
+# LiteLLM's middleware that only shapes an answer's headers: CORS (for browsers) and the
+# anti-framing and no-sniffing headers. The door's direct way (appliance.proxy.direct) passes
+# through them as configured in the proxy, so its answers carry what the other routes' carry.
+ANSWER_LAYERS = ("CORSMiddleware", "SecurityHeadersMiddleware")
+
+
+def answer_layers(server_app: Any) -> Callable[[ASGIApp], ASGIApp]:
+    """Wraps an ASGI app in the proxy's ANSWER_LAYERS, in the proxy's order and settings."""
+    chosen = [
+        m for m in getattr(server_app, "user_middleware", ())
+        if getattr(m.cls, "__name__", "") in ANSWER_LAYERS
+    ]  # fmt: skip
+
+    def wrap(app: ASGIApp) -> ASGIApp:
+        for m in reversed(chosen):  # the first in the list is the outermost
+            app = m.cls(app, *m.args, **m.kwargs)
+        return app
+
+    return wrap
+
+
 def max_body_bytes(env: Mapping[str, str]) -> int:
     value = env.get("B70_MAX_BODY_BYTES", "")
     return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_BODY_BYTES
@@ -101,7 +122,7 @@ def install_in_proxy(
         lambda inner: Door(
             inner, backend, router_models, max_body_bytes=limit, wait_ready=wait_ready,
             hold_s=hold_s, hold=hold if pass_through else None,
-            direct_to=direct_to(url) if url else None,
+            direct_to=direct_to(url) if url else None, answer_layers=answer_layers(app),
         ),
     )  # fmt: skip
     give_large_blocks_back()

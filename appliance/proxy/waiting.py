@@ -57,13 +57,14 @@ class Gate:
         self.counts_written = False
         self.open_requests = OpenRequests(state_dir)
 
-    async def blocked(self, token: str | None) -> str | None:
-        """Why a request must wait now, or None."""
+    async def blocked(self, token: str | None, health: bool = True) -> str | None:
+        """Why a request must wait now, or None. `health`: False when the request's own
+        connection will tell (the door's fast way holds it when the runtime does not serve)."""
         mark = read_mark(self.state_dir)
         if mark is not None and not (token and hmac.compare_digest(token, mark.token)):
             return f"switching to {mark.target}"
         now = self.clock()
-        if mark is not None or now < self.healthy_until:
+        if mark is not None or not health or now < self.healthy_until:
             return None
         probing = self.probe_once()
         if now < self.healthy_until + HEALTH_STALE_S:
@@ -85,8 +86,11 @@ class Gate:
         healthy = not probing.cancelled() and probing.exception() is None and probing.result()
         self.healthy_until = self.clock() + HEALTH_TTL_S if healthy else -math.inf
 
-    async def wait(self, token: str | None = None, limit_s: float | None = None) -> float:
+    async def wait(
+        self, token: str | None = None, limit_s: float | None = None, health: bool = True
+    ) -> float:
         """Seconds waited; raises HoldTimeout when the hold time (or `limit_s`) runs out.
+        `health`: whether the runtime's /health counts too, or only a switch's mark.
 
         The request being answered (the door's ticket) is counted open before the mark is read
         and closed while it waits: a drain that reads the open count after writing the mark
@@ -98,7 +102,7 @@ class Gate:
             while True:
                 if ticket is not None:
                     ticket.open(self.open_requests)
-                why = await self.blocked(token)
+                why = await self.blocked(token, health)
                 if why is None:
                     return 0.0 if start is None else self.clock() - start
                 if ticket is not None:
