@@ -21,7 +21,10 @@ LiteLLM parses it, so a bad request costs the runtime nothing. In order:
 4-6. The request itself: JSON, model, messages or prompt, max_tokens, the prompt against the
    runtime's context (appliance.proxy.checks).
 
-Then LiteLLM reads the body from what was read here, and the client's own messages after it (so
+Then the request goes on the fast way: straight to the runtime when the model has one
+deployment on it (appliance.proxy.direct), else LiteLLM's pass-through route
+(appliance.proxy.relay); or, when that fails before its answer begins, the full way: LiteLLM
+reads the body from what was read here, and the client's own messages after it (so
 a client that leaves mid-stream is still seen leaving, and its request cancelled in the runtime).
 Every refusal is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
 

@@ -1,4 +1,7 @@
-"""The fast way of a checked request to the model: LiteLLM's vLLM pass-through route.
+"""The fast way of a checked request to the model when LiteLLM's router must choose (several
+deployments of the model, or one that is not the appliance's runtime): LiteLLM's vLLM
+pass-through route. A model with one deployment on the appliance's runtime, as rendered, goes
+straight to it instead (appliance.proxy.direct).
 
 LiteLLM's chat and completion routes turn every request into its own objects (a `Deployment`
 built for each request, a logging object, usage and cost at the end of each stream) and every
