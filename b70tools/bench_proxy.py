@@ -130,6 +130,11 @@ def capacity(root: Path, workers_list: list[int], seconds: float) -> list[dict[s
                 cpu0 = tree_cpu_s(proxy.pid)
                 r = stream_client.steady(cfg.proxy.port, key, "smollm2", 64, 256, seconds)
                 cpu = tree_cpu_s(proxy.pid) - cpu0
+                # A source that answers at once: each request follows the last with no idle time.
+                back_to_back = single(
+                    (cfg.proxy.port, key), source_port, 100,
+                    f"capacity: {workers} worker(s): one request at a time, back to back",
+                )  # fmt: skip
             finally:
                 stop(proxy)
             rows.append(
@@ -139,6 +144,7 @@ def capacity(root: Path, workers_list: list[int], seconds: float) -> list[dict[s
                     "proxy_cpu_ms_per_chunk": 1000 * cpu / max(r["chunks"], 1),
                     "failed": r["failed"],
                     "direct_chunks_per_s": direct["chunks"] / direct["wall_s"],
+                    "back_to_back_added_ms": back_to_back["added_ms"],
                 }
             )
             print(
@@ -249,7 +255,9 @@ def arrivals_ab(
     return out
 
 
-def single(proxy: tuple[int, str], source_port: int, n: int) -> dict[str, float]:
+def single(
+    proxy: tuple[int, str], source_port: int, n: int, how: str = "one request at a time"
+) -> dict[str, float]:
     """One request at a time, alternating through and direct: what one request costs."""
     through: list[float] = []
     direct: list[float] = []
@@ -259,7 +267,7 @@ def single(proxy: tuple[int, str], source_port: int, n: int) -> dict[str, float]
             if run["first"] is not None:
                 side.append(run["first"] - run["sent"])
     t, d = 1000 * statistics.median(through), 1000 * statistics.median(direct)
-    print(f"one request at a time: time to first token through {t:.1f} ms, direct {d:.1f} ms: "
+    print(f"{how}: time to first token through {t:.1f} ms, direct {d:.1f} ms: "
           f"{t - d:.1f} ms more", flush=True)  # fmt: skip
     return {"through_ttft_ms": t, "direct_ttft_ms": d, "added_ms": t - d}
 
