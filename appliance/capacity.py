@@ -7,8 +7,10 @@ included) and the dtype and quantization choices:
   (plus the small causal-conv state, reported apart);
 - KV cache per token of the full-attention layers: 2 x KV heads x head dim x layers x KV bytes;
 - weights, from the parameter count per layer type (MoE experts included);
-- requests that fit at a GPU memory utilization on a card;
-- the memory-bound decode step: bytes read per step / bandwidth.
+- per card under tensor parallelism over `cards` cards: weights, what is offloaded to the CPU,
+  the cache budget, and the requests that fit as vLLM lays out its cache (appliance.paging);
+- the memory-bound decode step: bytes read per step / bandwidth (of all the cards; the
+  all-reduce between them is not counted).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance import paging
 from appliance.errors import ApplianceError
 
 DTYPE_BYTES = {
@@ -194,9 +197,13 @@ class Plan:
     gdn_state_bytes: int
     conv_state_bytes: int
     kv_bytes_per_token: int
-    request_bytes: int
-    budget_bytes: int
-    requests_fit: int
+    request_bytes: int  # GDN state, conv state and KV cache of one request, unpadded
+    cards: int
+    weight_bytes_per_card: int
+    cpu_offload_bytes: int  # per card
+    budget_bytes: int  # per card: for the cache, after weights and the reserve
+    requests_fit: int  # as vLLM lays out the cache (paging)
+    paging: paging.Paging
     steps: list[dict[str, float]]
 
 
@@ -212,9 +219,15 @@ def plan(
     utilization: float = 0.9,
     tokens: int = 4096,
     cpu_offload_bytes: int = 0,
+    offload_embeddings_only: bool = False,
     reserve_bytes: int = 0,
     batches: tuple[int, ...] = (1, 64),
+    cards: int = 1,
+    block_align: int = paging.DEFAULT_ALIGN,
 ) -> Plan:
+    """`cpu_offload_bytes` and `reserve_bytes` are per card, as vLLM's --cpu-offload-gb is;
+    `offload_embeddings_only`: --cpu-offload-params embed_tokens, which offloads no more than
+    the embedding's share on each card."""
     _check_choices(dtype=dtype, kv_dtype=kv_dtype, state_dtype=state_dtype, quant=quant)
     s = parse_shape(cfg)
     p = count_params(s)
@@ -223,8 +236,18 @@ def plan(
     conv = conv_state_bytes(s, dtype)
     kv = kv_bytes_per_token(s, kv_dtype)
     request = gdn + conv + kv * tokens
-    budget = int(utilization * card_bytes) - (weights - cpu_offload_bytes) - reserve_bytes
-    fits = max(budget, 0) // request if request else 0
+    paging.split_heads(s, cards)
+    per_card = weights // cards  # linear layers, embedding and head are all split over the cards
+    offload = cpu_offload_bytes
+    if offload_embeddings_only:
+        offload = min(offload, int(p.embed * DTYPE_BYTES[dtype]) // cards)
+    offload = min(offload, per_card)
+    budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes
+    pages = paging.layout(
+        s, cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[dtype],
+        state_bytes=DTYPE_BYTES[state_dtype], tokens=tokens, available_bytes=budget,
+        align=block_align,
+    )  # fmt: skip
     per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
     active = (
         p.attention
@@ -235,10 +258,13 @@ def plan(
     )
     scale = weights / p.total if p.total else 0.0
     steps = [
-        decode_step(s, p, batch, scale, per_expert, gdn, kv * tokens, bandwidth)
+        decode_step(s, p, batch, scale, per_expert, gdn, kv * tokens, bandwidth * cards)
         for batch in batches
     ]
-    return Plan(p.total, active, weights, gdn, conv, kv, request, budget, int(fits), steps)
+    return Plan(
+        p.total, active, weights, gdn, conv, kv, request, cards, per_card, offload, budget,
+        pages.requests_fit, pages, steps,
+    )  # fmt: skip
 
 
 def _check_choices(**choices: str) -> None:
@@ -308,8 +334,11 @@ def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
         utilization=options["utilization"],
         tokens=options["tokens"],
         cpu_offload_bytes=int(options["cpu_offload_gib"] * GIB),
+        offload_embeddings_only=options.get("offload_params") == "embed_tokens",
         reserve_bytes=int(options["reserve_gib"] * GIB),
         batches=tuple(options["batches"]) or (1, 64),
+        cards=options.get("cards", 1),
+        block_align=options.get("block_align", paging.DEFAULT_ALIGN),
     )
 
 

@@ -221,8 +221,21 @@ def render_plan(p: Any) -> str:
         f"GDN state per request  {p.gdn_state_bytes / mib:.1f} MiB "
         f"(+ conv state {p.conv_state_bytes / mib:.2f} MiB)",
         f"KV cache per token     {p.kv_bytes_per_token / 1024:.1f} KiB",
-        f"memory per request     {p.request_bytes / mib:.1f} MiB",
-        f"cache budget           {size(p.budget_bytes)}",
+        f"memory per request     {p.request_bytes / mib:.1f} MiB (state and KV, unpadded)",
+    ]
+    g = p.paging
+    card = "each card" if p.cards > 1 else "the card"
+    lines += [
+        f"cards                  {p.cards} ({g.kv_heads_per_card} KV heads on {card})",
+        f"{'weights on ' + card:<23}{size(p.weight_bytes_per_card)} "
+        f"({size(p.cpu_offload_bytes)} of them offloaded to the CPU)",
+        f"{'cache on ' + card:<23}{size(p.budget_bytes)}",
+        f"vLLM's cache           block {g.block_size} tokens, page {g.page_bytes / mib:.2f} MiB"
+        + (f" (GDN state padded {g.state_padding:.2%})" if g.state_groups else ""),
+        f"                       {g.attention_groups} attention + {g.state_groups} GDN group(s) "
+        f"of {g.group_size} layers, {g.blocks} blocks",
+        f"per request            {g.blocks_per_request} blocks, "
+        f"{g.bytes_per_request / mib:.1f} MiB on {card}",
         f"requests that fit      {p.requests_fit}",
     ]
     for step in p.steps:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from appliance import capacity
+from appliance import capacity, paging
 from appliance.cli import cli
 from appliance.errors import ApplianceError
 
@@ -82,7 +82,7 @@ def test_quantized_weights_and_what_fits() -> None:
     assert fp32.weight_bytes == fp16.weight_bytes < dense.weight_bytes
     assert fp32.request_bytes - fp16.request_bytes == 30 * MIB
     assert fp16.requests_fit > fp32.requests_fit
-    assert fp32.requests_fit == fp32.budget_bytes // fp32.request_bytes
+    assert fp32.requests_fit == (fp32.budget_bytes // (2096 * 1024) // 10 - 1) // 4
     assert dense.budget_bytes < fp16.budget_bytes
 
 
@@ -127,8 +127,117 @@ def test_plan_command(tmp_path: Path) -> None:
     assert "GDN state per request  60.0 MiB" in human.output
     doc = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)
     assert doc["ok"] and doc["result"]["gdn_state_bytes"] == 60 * MIB
+    two = json.loads(CliRunner().invoke(cli, [*args, "--cards", "2", "--json"]).output)
+    assert two["result"]["cards"] == 2 and two["result"]["paging"]["kv_heads_per_card"] == 1
+    human = CliRunner().invoke(cli, [*args, "--cards", "2", "--block-align", "64"])
+    assert "block 2112 tokens" in human.output and "weights on each card" in human.output
+    odd = CliRunner().invoke(cli, [*args, "--cards", "3"])
+    assert odd.exit_code == 1 and "does not split over 3 cards" in odd.stderr
+    assert "Traceback" not in odd.output + odd.stderr
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     out = CliRunner().invoke(cli, ["plan", str(bad)])
     assert out.exit_code == 1
     assert f"error: {bad}: not a readable JSON file" in out.stderr
+
+
+# --- vLLM's layout of the cache (appliance.paging) ------------------------------------------------
+
+# Qwen3-Next-80B-A3B's shape: 48 layers, every 4th full attention.
+NEXT_80B = {**cfg(), "num_hidden_layers": 48, "vocab_size": 151936}
+FP8, FP16, FP32 = 1.0, 2.0, 4.0
+
+
+def test_the_recipe_model_pads_no_state_at_16_and_asks_four_blocks_a_request() -> None:
+    """By hand: an attention token is 2 KV heads x (256 + 256) x 1 byte (fp8) = 1 KiB a layer;
+    a GDN layer's state is 3 x 8192 x 2 (conv, fp16) + 32 x 128 x 128 x 4 (fp32) = 2146304
+    bytes, exactly 131 x 16 KiB: a block of 2096 tokens. 10 attention and 30 GDN layers make
+    groups of 10: one attention group and three GDN groups, a block from each a request."""
+    s = capacity.parse_shape(cfg())
+    g = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP32, tokens=1024,
+                      available_bytes=9 * 1024**3)  # fmt: skip
+    assert (g.attention_bytes_per_token, g.state_bytes) == (1024, 2146304)
+    assert (g.block_size, g.page_bytes, g.state_padding) == (2096, 2146304, 0.0)
+    assert (g.group_size, g.attention_groups, g.state_groups) == (10, 1, 3)
+    assert g.blocks_per_request == 4 and g.bytes_per_request == 4 * 10 * 2146304
+    assert g.blocks == 9 * 1024**3 // 2146304 // 10 == 450
+    assert g.requests_fit == (450 - 1) // 4 == 112
+    longer = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP32,
+                           tokens=2097, available_bytes=9 * 1024**3)  # fmt: skip
+    assert longer.blocks_per_request == 2 + 3, "a second attention block past 2096 tokens"
+    xpu = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP32,
+                        tokens=1024, available_bytes=9 * 1024**3, align=64)  # fmt: skip
+    assert xpu.block_size == 2112 and xpu.state_padding == pytest.approx(2112 / 2096 - 1)
+
+
+@pytest.mark.parametrize(
+    ("cards", "block", "padding"),
+    [
+        # vLLM's log in PR #37467 (Qwen3-Next on XPU, tensor parallel 4, fp32 recurrent state):
+        # "Setting attention block size to 528 tokens ... Padding mamba page size by 0.76%".
+        (4, 528, 0.0076),
+        (1, 1056, 0.0076),
+        (2, 1056, 0.0076),
+    ],
+)
+def test_the_block_size_of_qwen3_next_follows_vllm(cards: int, block: int, padding: float) -> None:
+    s = capacity.parse_shape({**NEXT_80B, "num_hidden_layers": 48})
+    g = paging.layout(s, cards=cards, kv_bytes=FP16, conv_bytes=FP16, state_bytes=FP32,
+                      tokens=1024, available_bytes=8 * 1024**3)  # fmt: skip
+    assert (s.full_layers, s.linear_layers) == (12, 36)
+    assert g.block_size == block and g.state_padding == pytest.approx(padding, abs=5e-5)
+    assert g.kv_heads_per_card == max(1, 2 // cards), "KV heads replicated past their count"
+    assert (g.group_size, g.attention_groups, g.state_groups) == (12, 1, 3)
+
+
+def test_groups_of_the_larger_count_when_the_counts_are_close() -> None:
+    """vLLM groups by the larger layer count when it is under 1.5 times the smaller one."""
+    s = capacity.parse_shape({**cfg(), "num_hidden_layers": 20, "full_attention_interval": 2})
+    g = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP16, tokens=100,
+                      available_bytes=1024**3)  # fmt: skip
+    assert (s.full_layers, s.linear_layers) == (10, 10)
+    assert (g.group_size, g.attention_groups, g.state_groups) == (10, 1, 1)
+    s = capacity.parse_shape({**cfg(), "layer_types": ["full_attention"] * 8 + [
+        "linear_attention"] * 11, "num_hidden_layers": 19})  # fmt: skip
+    g = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP16, tokens=100,
+                      available_bytes=1024**3)  # fmt: skip
+    assert (g.group_size, g.attention_groups, g.state_groups) == (11, 1, 1)
+
+
+def test_a_model_without_gdn_layers_has_blocks_of_the_alignment() -> None:
+    dense = {k: v for k, v in cfg().items() if not k.startswith("linear_")}
+    dense.pop("full_attention_interval")
+    s = capacity.parse_shape(dense)
+    g = paging.layout(s, cards=1, kv_bytes=FP16, conv_bytes=FP16, state_bytes=FP32,
+                      tokens=1000, available_bytes=1024**3)  # fmt: skip
+    assert (g.block_size, g.group_size, g.state_groups) == (16, 40, 0)
+    assert g.page_bytes == 16 * 2 * 2 * 256 * 2
+    assert (
+        g.blocks_per_request == 63 and g.requests_fit == (1024**3 // g.page_bytes // 40 - 1) // 63
+    )
+
+
+def test_cards_split_the_weights_and_the_state() -> None:
+    common = {"quant": "gptq-int4", "dtype": "fp16", "kv_dtype": "fp8", "tokens": 1024}
+    one = capacity.plan(cfg(), **common)
+    two = capacity.plan(cfg(), cards=2, **common)
+    assert two.weight_bytes_per_card == one.weight_bytes // 2
+    assert two.paging.state_bytes == one.paging.state_bytes // 2
+    assert two.paging.kv_heads_per_card == 1 and two.requests_fit > 2 * one.requests_fit
+    with pytest.raises(ApplianceError, match="linear_num_key_heads 16 does not split over 3 cards"):
+        capacity.plan(cfg(), cards=3, **common)
+    with pytest.raises(ApplianceError, match="--cards 0 must be at least 1"):
+        capacity.plan(cfg(), cards=0, **common)
+
+
+def test_embed_tokens_offloads_no_more_than_the_embedding() -> None:
+    """vLLM's --cpu-offload-params embed_tokens: the B70 recipe offloads its embedding, 248320 x
+    2048 fp16 weights (0.95 GiB), however large --cpu-offload-gb is."""
+    common = {"quant": "gptq-int4", "dtype": "fp16", "kv_dtype": "fp8", "tokens": 1024,
+              "utilization": 0.82, "cpu_offload_bytes": 4 * 1024**3}  # fmt: skip
+    everything = capacity.plan(cfg(), **common)
+    embedding = capacity.plan(cfg(), offload_embeddings_only=True, **common)
+    assert everything.cpu_offload_bytes == 4 * 1024**3
+    assert embedding.cpu_offload_bytes == 248320 * 2048 * 2
+    assert everything.budget_bytes - embedding.budget_bytes == 4 * 1024**3 - 248320 * 2048 * 2
+    assert embedding.requests_fit < everything.requests_fit

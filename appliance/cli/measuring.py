@@ -46,7 +46,32 @@ from appliance.errors import ApplianceError
 @click.option(
     "--tokens", type=int, default=4096, show_default=True, help="Tokens of context per request."
 )
-@click.option("--cpu-offload-gib", type=float, default=0.0, show_default=True)
+@click.option(
+    "--cards",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Cards the model is split over (vLLM's tensor parallelism); figures are per card.",
+)
+@click.option(
+    "--block-align",
+    type=int,
+    default=16,
+    show_default=True,
+    help="What vLLM rounds the attention block size of a hybrid model to: 16 by default, 64 "
+    "with XPU's GDN backend in newer vLLM.",
+)
+@click.option(
+    "--cpu-offload-gib", type=float, default=0.0, show_default=True, help="Per card, as vLLM's."
+)
+@click.option(
+    "--cpu-offload-params",
+    "offload_params",
+    type=click.Choice(["all", "embed_tokens"]),
+    default="all",
+    show_default=True,
+    help="What may be offloaded: embed_tokens offloads no more than the embedding.",
+)
 @click.option(
     "--reserve-gib",
     type=float,
@@ -65,13 +90,15 @@ from appliance.errors import ApplianceError
 def plan(ctx: Context, config_json: Path, **options: Any) -> None:
     """Memory and decode speed of a model on a card, from its Hugging Face config.json.
 
-    GDN state per request, KV cache per token, weights, requests that fit at a memory
-    utilization, and the memory-bound decode step at the card's bandwidth.
+    GDN state per request, KV cache per token, weights and cache per card, the requests that
+    fit at a memory utilization as vLLM lays out its cache (hybrid models' pages unified to one
+    size), and the memory-bound decode step at the cards' bandwidth.
 
     \b
     Example:
       b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --state-dtype fp16 \\
-        --utilization 0.82 --tokens 1024 --cpu-offload-gib 4
+        --utilization 0.82 --tokens 1024 --cpu-offload-gib 4 --cpu-offload-params embed_tokens
+      b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --cards 2
     """
     from appliance import capacity
 
