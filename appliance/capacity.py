@@ -224,10 +224,12 @@ def plan(
     batches: tuple[int, ...] = (1, 64),
     cards: int = 1,
     block_align: int = paging.DEFAULT_ALIGN,
+    cache_bytes: int | None = None,
 ) -> Plan:
     """`cpu_offload_bytes` and `reserve_bytes` are per card, as vLLM's --cpu-offload-gb is;
     `offload_embeddings_only`: --cpu-offload-params embed_tokens, which offloads no more than
-    the embedding's share on each card."""
+    the embedding's share on each card. `cache_bytes`: the cache of each card as vLLM measured
+    it ("Available KV cache memory" in its log), instead of the budget worked out here."""
     _check_choices(dtype=dtype, kv_dtype=kv_dtype, state_dtype=state_dtype, quant=quant)
     s = parse_shape(cfg)
     p = count_params(s)
@@ -243,6 +245,8 @@ def plan(
         offload = min(offload, int(p.embed * DTYPE_BYTES[dtype]) // cards)
     offload = min(offload, per_card)
     budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes
+    if cache_bytes is not None:
+        budget = cache_bytes
     pages = paging.layout(
         s, cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[dtype],
         state_bytes=DTYPE_BYTES[state_dtype], tokens=tokens, available_bytes=budget,
@@ -339,6 +343,7 @@ def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
         batches=tuple(options["batches"]) or (1, 64),
         cards=options.get("cards", 1),
         block_align=options.get("block_align", paging.DEFAULT_ALIGN),
+        cache_bytes=int(cache_gib * GIB) if (cache_gib := options.get("kv_cache_gib")) else None,
     )
 
 

@@ -131,6 +131,9 @@ def test_plan_command(tmp_path: Path) -> None:
     assert two["result"]["cards"] == 2 and two["result"]["paging"]["kv_heads_per_card"] == 1
     human = CliRunner().invoke(cli, [*args, "--cards", "2", "--block-align", "64"])
     assert "block 2112 tokens" in human.output and "weights on each card" in human.output
+    measured = json.loads(CliRunner().invoke(cli, [*args, "--kv-cache-gib", "9", "--json"]).output)
+    assert measured["result"]["budget_bytes"] == 9 * 1024**3
+    assert measured["result"]["requests_fit"] == (9 * 1024**3 // (2096 * 1024) // 10 - 1) // (2 + 3)
     odd = CliRunner().invoke(cli, [*args, "--cards", "3"])
     assert odd.exit_code == 1 and "does not split over 3 cards" in odd.stderr
     assert "Traceback" not in odd.output + odd.stderr

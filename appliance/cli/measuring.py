@@ -80,6 +80,12 @@ from appliance.errors import ApplianceError
     help="Memory kept for activations and workspace.",
 )
 @click.option(
+    "--kv-cache-gib",
+    type=float,
+    help="The cache of each card as vLLM measured it (its log's 'Available KV cache memory'), "
+    "instead of the budget worked out from the utilization, weights and reserve.",
+)
+@click.option(
     "--batch",
     "batches",
     type=int,
