@@ -53,8 +53,10 @@ class ProxyConfig:
     workers: int = 2  # one LiteLLM worker streams about 1300-1800 chunks/s on one core
     max_body_bytes: int = 8 * 1024**2  # a request body larger than this is refused (413)
     litellm: str | None = None  # the litellm executable; default: beside b70ctl
-    # Model requests take LiteLLM's vLLM pass-through route (appliance/proxy/relay.py); false:
-    # its chat and completion routes, at several times the CPU per request and per chunk.
+    # Model requests take the fast way: straight to the runtime when the model has one
+    # deployment (appliance/proxy/direct.py), else LiteLLM's vLLM pass-through route
+    # (appliance/proxy/relay.py); false: LiteLLM's chat and completion routes, at several times
+    # the CPU per request and per chunk.
     pass_through: bool = True
 
 
