@@ -274,6 +274,32 @@ def test_a_client_that_leaves_closes_the_connection_to_the_runtime() -> None:
     assert way == direct.ANSWERED and unfinished
 
 
+def test_the_request_timeout_bounds_each_wait_not_a_long_stream() -> None:
+    """Like LiteLLM's HTTP client: a stream longer than the timeout, whose events come in time,
+    ends whole; one that falls silent past it is cut, unfinished."""
+
+    def slow(events: int, gap_s: float, then_silent: bool = False) -> Script:
+        async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(events):
+                writer.write(b"9\r\ndata: 1\n\n\r\n")
+                await writer.drain()
+                await asyncio.sleep(gap_s)
+            if then_silent:
+                await asyncio.sleep(30)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        return script
+
+    client = Client()
+    assert relay(Runtime(slow(6, 0.1)), client, limit_s=0.3) == direct.ANSWERED
+    assert client.body == b"data: 1\n\n" * 6 and client.finished
+    client = Client()
+    assert relay(Runtime(slow(2, 0.05, then_silent=True)), client, limit_s=0.3) == direct.ANSWERED
+    assert client.body == b"data: 1\n\n" * 2 and not client.finished
+
+
 def test_a_runtime_silent_past_the_request_timeout_is_a_504() -> None:
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(30)

@@ -14,8 +14,8 @@ route, the answer is kept back until its first bytes: an error status, a refused
 connection, or a runtime that dies before its first event, and the request goes the full way
 instead (LiteLLM's chat or completion route), which names the error, or waits for the runtime
 and sends the request again. A client that leaves closes the connection to the runtime, which
-then stops generating. A request has at most LiteLLM's `request_timeout` seconds, as on the full
-way.
+then stops generating. The runtime has LiteLLM's `request_timeout` seconds for its first bytes and
+for each next ones, as on the full way.
 
 When the model has several deployments, or one that is not the appliance's runtime, the router
 decides and the request takes the pass-through route.
@@ -140,11 +140,11 @@ async def relay(
     watch = asyncio.ensure_future(receive())
     watch.add_done_callback(exchange.client_left)
     try:
-        async with asyncio.timeout(limit_s):
-            return await exchange.run(kind, body)
+        async with asyncio.timeout(limit_s) as exchange.deadline:
+            return await exchange.run(kind, body, limit_s)
     except TimeoutError:
         if exchange.begun:
-            log(f"b70: the runtime's answer took more than {limit_s:g} s; it was cut there")
+            log(f"b70: the runtime sent nothing for {limit_s:g} s; its answer was cut there")
             return ANSWERED
         await Refusal(
             504, f"the runtime did not answer within {limit_s:g} s (request_timeout)",
@@ -170,6 +170,9 @@ class _Exchange:
         self.send = send
         self.begun = False  # a byte of the answer's body went to the client
         self.left = False  # the client left
+        # Moved on with every read: like LiteLLM's own HTTP client, request_timeout bounds each
+        # wait for the runtime (the first bytes, then each next ones), not a long stream whole.
+        self.deadline: asyncio.Timeout | None = None
 
     def client_left(self, watch: asyncio.Future[Message]) -> None:
         if watch.cancelled() or watch.exception() is not None:
@@ -178,13 +181,14 @@ class _Exchange:
             self.left = True
             self.writer.transport.abort()  # the runtime sees it and stops generating
 
-    async def run(self, kind: str, body: bytes) -> str:
+    async def run(self, kind: str, body: bytes, limit_s: float) -> str:
         connection = h11.Connection(h11.CLIENT)
+        host = f"[{self.target.host}]" if ":" in self.target.host else self.target.host
         request = h11.Request(
             method="POST",
             target=self.target.base_path + ENDPOINTS[kind],
             headers=[
-                ("Host", f"{self.target.host}:{self.target.port}"),
+                ("Host", f"{host}:{self.target.port}"),
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
                 ("Connection", "close"),
@@ -192,7 +196,7 @@ class _Exchange:
         )
         try:
             self.writer.write(connection.send(request) + body)
-            return await self._answer(connection)
+            return await self._answer(connection, limit_s)
         except (OSError, h11.ProtocolError) as e:
             if self.left:
                 return ANSWERED
@@ -201,12 +205,15 @@ class _Exchange:
                 return ANSWERED
             return NOT_READY
 
-    async def _answer(self, connection: h11.Connection) -> str:
+    async def _answer(self, connection: h11.Connection, limit_s: float) -> str:
         start: Message | None = None
+        loop = asyncio.get_running_loop()
         while True:
             event = connection.next_event()
             if event is h11.NEED_DATA:
                 connection.receive_data(await self.reader.read(READ_BYTES))
+                if self.deadline is not None:
+                    self.deadline.reschedule(loop.time() + limit_s)
             elif isinstance(event, h11.Response):
                 if event.status_code == 503:  # loading, or not serving
                     return NOT_READY
