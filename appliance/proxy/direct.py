@@ -195,7 +195,8 @@ class _Exchange:
             ],
         )
         try:
-            self.writer.write(connection.send(request) + body)
+            for event in (request, h11.Data(data=body), h11.EndOfMessage()):
+                self.writer.write(connection.send(event) or b"")
             return await self._answer(connection, limit_s)
         except (OSError, h11.ProtocolError) as e:
             if self.left:
