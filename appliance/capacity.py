@@ -66,7 +66,7 @@ class Shape:
     dense_inter: int
 
 
-def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
+def _int(cfg: Mapping[str, Any], key: str, default: int | None = None, least: int = 1) -> int:
     value = cfg.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool):
         if default is None:
@@ -75,7 +75,13 @@ def _int(cfg: Mapping[str, Any], key: str, default: int | None = None) -> int:
                 hint="pass the model's Hugging Face config.json",
                 code="plan_input_invalid",
             )
-        return default
+        value = default
+    if value < least:
+        raise ApplianceError(
+            f"config.json: {key} is {value}; it must be at least {least}",
+            hint="pass the model's Hugging Face config.json",
+            code="plan_input_invalid",
+        )
     return value
 
 
@@ -105,16 +111,16 @@ def parse_shape(cfg: Mapping[str, Any]) -> Shape:
         kv_heads=_int(cfg, "num_key_value_heads", heads),
         head_dim=_int(cfg, "head_dim", hidden // heads),
         gated_attention=bool(cfg.get("attn_output_gate", False)),
-        lin_k_heads=_int(cfg, "linear_num_key_heads", 0),
-        lin_v_heads=_int(cfg, "linear_num_value_heads", 0),
-        lin_k_dim=_int(cfg, "linear_key_head_dim", 0),
-        lin_v_dim=_int(cfg, "linear_value_head_dim", 0),
+        lin_k_heads=_int(cfg, "linear_num_key_heads", 0, least=0),
+        lin_v_heads=_int(cfg, "linear_num_value_heads", 0, least=0),
+        lin_k_dim=_int(cfg, "linear_key_head_dim", 0, least=0),
+        lin_v_dim=_int(cfg, "linear_value_head_dim", 0, least=0),
         conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
-        experts=_int(cfg, "num_experts", 0),
-        experts_per_tok=_int(cfg, "num_experts_per_tok", 0),
-        moe_inter=_int(cfg, "moe_intermediate_size", 0),
-        shared_inter=_int(cfg, "shared_expert_intermediate_size", 0),
-        dense_inter=_int(cfg, "intermediate_size", 0),
+        experts=_int(cfg, "num_experts", 0, least=0),
+        experts_per_tok=_int(cfg, "num_experts_per_tok", 0, least=0),
+        moe_inter=_int(cfg, "moe_intermediate_size", 0, least=0),
+        shared_inter=_int(cfg, "shared_expert_intermediate_size", 0, least=0),
+        dense_inter=_int(cfg, "intermediate_size", 0, least=0),
     )
 
 

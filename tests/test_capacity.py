@@ -244,3 +244,15 @@ def test_embed_tokens_offloads_no_more_than_the_embedding() -> None:
     assert embedding.cpu_offload_bytes == 248320 * 2048 * 2
     assert everything.budget_bytes - embedding.budget_bytes == 4 * 1024**3 - 248320 * 2048 * 2
     assert embedding.requests_fit < everything.requests_fit
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "least"),
+    [("num_hidden_layers", 0, 1), ("num_attention_heads", 0, 1), ("num_key_value_heads", 0, 1),
+     ("head_dim", 0, 1), ("full_attention_interval", 0, 1), ("linear_num_value_heads", -32, 0)],
+)  # fmt: skip
+def test_a_shape_that_cannot_be_is_named(key: str, value: int, least: int) -> None:
+    with pytest.raises(
+        ApplianceError, match=f"config.json: {key} is {value}; it must be at least {least}"
+    ):
+        capacity.plan({**cfg(), key: value})
