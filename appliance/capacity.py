@@ -328,10 +328,11 @@ def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
     if not isinstance(cfg, dict):
         raise ApplianceError(f"{path}: not a JSON object", code="plan_input_invalid")
     check_plan_inputs(options["utilization"], options["tokens"])
+    check_sizes(options)
     card_bytes, bandwidth = CARDS[options["card"]]
-    if options["card_gib"]:
+    if options["card_gib"] is not None:
         card_bytes = int(options["card_gib"] * GIB)
-    if options["bandwidth_gbs"]:
+    if options["bandwidth_gbs"] is not None:
         bandwidth = options["bandwidth_gbs"] * 1e9
     return plan(
         cfg,
@@ -360,3 +361,19 @@ def check_plan_inputs(utilization: float, tokens: int) -> None:
         )
     if tokens < 1:
         raise ApplianceError(f"--tokens {tokens} must be at least 1", code="plan_input_invalid")
+
+
+def check_sizes(options: Mapping[str, Any]) -> None:
+    """Memory sizes and bandwidths above zero (offload and reserve may be zero), batches of 1+."""
+    for key, flag, zero_ok in (
+        ("card_gib", "--card-gib", False), ("bandwidth_gbs", "--bandwidth-gbs", False),
+        ("kv_cache_gib", "--kv-cache-gib", False), ("cpu_offload_gib", "--cpu-offload-gib", True),
+        ("reserve_gib", "--reserve-gib", True),
+    ):  # fmt: skip
+        value = options.get(key)
+        if value is not None and not (value >= 0 if zero_ok else value > 0):
+            least = "0 or more" if zero_ok else "more than 0"
+            raise ApplianceError(f"{flag} {value:g} must be {least}", code="plan_input_invalid")
+    for batch in options.get("batches") or ():
+        if batch < 1:
+            raise ApplianceError(f"--batch {batch} must be at least 1", code="plan_input_invalid")

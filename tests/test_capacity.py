@@ -256,3 +256,18 @@ def test_a_shape_that_cannot_be_is_named(key: str, value: int, least: int) -> No
         ApplianceError, match=f"config.json: {key} is {value}; it must be at least {least}"
     ):
         capacity.plan({**cfg(), key: value})
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [(["--cpu-offload-gib", "-1"], "--cpu-offload-gib -1 must be 0 or more"),
+     (["--reserve-gib", "-2"], "--reserve-gib -2 must be 0 or more"),
+     (["--card-gib", "0"], "--card-gib 0 must be more than 0"),
+     (["--bandwidth-gbs", "-5"], "--bandwidth-gbs -5 must be more than 0"),
+     (["--kv-cache-gib", "0"], "--kv-cache-gib 0 must be more than 0"),
+     (["--batch", "0"], "--batch 0 must be at least 1"),
+     (["--utilization", "1.5"], "--utilization 1.5 must be in (0, 1]")],
+)  # fmt: skip
+def test_a_size_that_cannot_be_is_refused(option: list[str], message: str) -> None:
+    out = CliRunner().invoke(cli, ["plan", str(HYBRID), *option])
+    assert out.exit_code == 1 and f"error: {message}" in out.stderr, out.output
