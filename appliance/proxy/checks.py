@@ -36,9 +36,10 @@ Imported by the proxy: nothing from the rest of the controller but appliance.pro
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
+from appliance.proxy.asgi import Send
 from appliance.proxy.backend import (
     CHAT,
     COMPLETION,
@@ -48,9 +49,6 @@ from appliance.proxy.backend import (
     text_prompts,
     utf8_bytes,
 )
-
-Message = dict[str, Any]
-Send = Callable[[Message], Awaitable[None]]
 
 # No token is longer than this: the longest of GPT-2's, cl100k's and o200k's vocabularies is 128
 # bytes, of SmolLM2's 81. A text of N bytes is at least N / MAX_TOKEN_BYTES tokens.

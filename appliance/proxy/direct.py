@@ -29,18 +29,15 @@ import asyncio
 import json
 import sys
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import h11
 
+from appliance.proxy.asgi import Message, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION
 from appliance.proxy.checks import Refusal
-
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
 
 # What became of a request sent here.
 ANSWERED = "answered"  # its answer went to the client, whole or begun, or the client left
@@ -243,8 +240,3 @@ class _Exchange:
             elif isinstance(event, h11.ConnectionClosed):  # before the answer's end
                 raise h11.RemoteProtocolError("the runtime closed the connection", 502)
             # else an informational answer (1xx): the answer follows
-
-
-def log(line: str) -> None:
-    """One line to the proxy's journal (stderr)."""
-    print(line, file=sys.stderr, flush=True)

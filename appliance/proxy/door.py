@@ -53,16 +53,13 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 from appliance.proxy import direct, hold
+from appliance.proxy.asgi import ASGIApp, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
 from appliance.proxy.checks import Refusal, check_request, parse_body
-from appliance.proxy.relay import PASS_THROUGH, WaitReady, log, relay, replay, resend
+from appliance.proxy.relay import PASS_THROUGH, WaitReady, relay, replay, resend
 from appliance.proxy.waiting import HoldTimeout
 
 Scope = Mapping[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Any, Receive, Send], Awaitable[None]]
 # Holds a request while the runtime cannot take it (raises HoldTimeout when the hold time runs
 # out). The token is the request's hold token (a switch's own request passes the switch's hold).
 Hold = Callable[[str | None], Awaitable[float]]
@@ -210,8 +207,9 @@ class Door:
         self, scope: Scope, checked: Checked, receive: Receive, send: Send, arrived: float
     ) -> None:
         """A request to the model: held while the runtime cannot take it, then the fast way
-        (appliance.proxy.relay), or the full way through LiteLLM's chat or completion route,
-        sent again if the runtime died before answering (appliance.proxy.relay.resend)."""
+        (appliance.proxy.direct or appliance.proxy.relay), or the full way through LiteLLM's
+        chat or completion route, sent again if the runtime died before answering
+        (appliance.proxy.relay.resend)."""
         ticket = hold.Ticket()  # opened by the hold's gate when it lets the request through
         context = hold.TICKET.set(ticket)
         token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one

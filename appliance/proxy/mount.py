@@ -16,8 +16,9 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from appliance.proxy import direct
+from appliance.proxy.asgi import ASGIApp
 from appliance.proxy.backend import Backend
-from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, ASGIApp, Direct, Door, Hold
+from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, Direct, Door, Hold
 from appliance.proxy.relay import WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h

@@ -25,17 +25,13 @@ Imported by the proxy: nothing from the rest of the controller but appliance.pro
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from appliance.proxy.asgi import ASGIApp, Message, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION
 from appliance.proxy.checks import Refusal
 
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Any, Receive, Send], Awaitable[None]]
 # Waits until the runtime serves again, at most the seconds given; the seconds waited, or None.
 # The token is the request's hold token (a switch's own request passes the switch's hold).
 WaitReady = Callable[[float, str | None], Awaitable[float | None]]
@@ -166,11 +162,6 @@ class _HeldFailure:
         if self.start is not None:
             await self.send(self.start)
             await self.send({"type": "http.response.body", "body": b"".join(self.body)})
-
-
-def log(line: str) -> None:
-    """One line to the proxy's journal (stderr)."""
-    print(line, file=sys.stderr, flush=True)
 
 
 def _runtime_gone(waited_s: float, hold_s: float) -> Refusal:
