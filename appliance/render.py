@@ -11,16 +11,17 @@ import ipaddress
 import json
 import re
 import textwrap
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from appliance import runtimes, sandbox
+from appliance import placement, runtimes, sandbox
 
 if TYPE_CHECKING:
     import jinja2
 from appliance.config import LOOPBACK_NAMES, Config, Launcher, RuntimeConfig
 from appliance.files import write_atomic
+from appliance.gpu.sysfs import Device
 from appliance.layout import (
     MONITOR_UNIT,
     PROXY_CONFIG,
@@ -115,12 +116,39 @@ def _environment() -> jinja2.Environment:
 
 
 def conflicting(config: Config, runtime: RuntimeConfig) -> list[RuntimeConfig]:
-    """Every other runtime: they all share the one GPU."""
-    return [other for name, other in sorted(config.runtimes.items()) if name != runtime.name]
+    """Every other runtime that needs one of its cards (with no cards named, every other)."""
+    return [
+        other
+        for name, other in sorted(config.runtimes.items())
+        if name != runtime.name and placement.excludes(runtime, other)
+    ]
 
 
-def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> str:
+Placements = Mapping[str, list[placement.Card]]
+
+
+def placements(config: Config, devices: Sequence[Device] | None = None) -> Placements | None:
+    """Each runtime's cards on this machine (its sysfs, unless `devices` are given), or None
+    when the config names no cards."""
+    if not placement.is_placed(config):
+        return None
+    if devices is None:
+        from appliance.gpu import sysroot
+        from appliance.gpu.sysfs import read_devices
+
+        devices = read_devices(sysroot())
+    cards = placement.card_list(config, devices)
+    return {
+        name: placement.cards_of(config, rt, cards) for name, rt in sorted(config.runtimes.items())
+    }
+
+
+def render_runtime_unit(
+    config: Config, runtime: RuntimeConfig, lay: Layout, cards: list[placement.Card] | None = None
+) -> str:
+    """`cards`: where the runtime runs, when the config names cards (see `placements`)."""
     others = conflicting(config, runtime)
+    sel = placement.selection(runtime, cards) if cards else None
     # One After= per pair, on the unit whose name sorts later: the earlier one is then fully
     # stopped before the later one starts, and the reverse holds as well. After= on both sides
     # would make `systemctl stop A B` a cyclic transaction.
@@ -133,7 +161,9 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
                 for i, a in enumerate(runtimes.exec_stop_post(config, runtime)[0])
             ]
         )
-    wait_free = [config.b70ctl, "gpu", "wait-free", "--device", config.gpu.device]
+    wait_free = [config.b70ctl, "gpu", "wait-free"]
+    for device in [c.pci for c in cards] if cards else [config.gpu.device]:
+        wait_free += ["--device", device]
     wait_free += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
     pre.append([*wait_free, "--timeout", f"{config.gpu.release_timeout_s:g}"])
     pre.append([config.b70ctl, "unit", "pre", "--port", str(config.backend.port)])
@@ -143,16 +173,18 @@ def render_runtime_unit(config: Config, runtime: RuntimeConfig, lay: Layout) -> 
         engine_bin = runtimes.container_cli(config, runtime)
         post += ["--container", runtimes.container_name(runtime), "--container-cli", engine_bin]
     interval = int(runtime.restart_burst * (runtime.start_timeout_s + RESTART_SEC) + 60)
+    env = {**runtime.env, **(sel.env if sel else {})}
     return _render(
         "runtime.service.j2",
         lay,
         rt=runtime,
+        placed=placement.describe(cards) if cards else None,
         conflicts=[o.unit for o in others],
         after=after,
         system_scope=lay.scope is Scope.SYSTEM,
-        environment=[render_environment(k, v) for k, v in sorted(runtime.env.items())],
+        environment=[render_environment(k, v) for k, v in sorted(env.items())],
         exec_start_pre=pre,
-        exec_start=runtimes.exec_start(config, runtime),
+        exec_start=runtimes.exec_start(config, runtime, sel),
         exec_start_post=post,
         exec_stop=runtimes.exec_stop(config, runtime),
         exec_stop_post=runtimes.exec_stop_post(config, runtime),
@@ -262,9 +294,16 @@ def render_proxy_config(config: Config, lay: Layout) -> str:
     )
 
 
-def render_all(config: Config, lay: Layout) -> dict[str, str]:
-    """Every file an installation consists of (the secret key aside), by file name."""
-    files = {rt.unit: render_runtime_unit(config, rt, lay) for rt in config.runtimes.values()}
+def render_all(
+    config: Config, lay: Layout, devices: Sequence[Device] | None = None
+) -> dict[str, str]:
+    """Every file an installation consists of (the secret key aside), by file name. A config
+    that names cards is placed on `devices`, by default this machine's GPUs."""
+    placed = placements(config, devices)
+    files = {
+        rt.unit: render_runtime_unit(config, rt, lay, placed[rt.name] if placed else None)
+        for rt in config.runtimes.values()
+    }
     files[PROXY_UNIT] = render_proxy_unit(config, lay)
     files[PROXY_SOCKET] = render_proxy_socket(config, lay)
     files[MONITOR_UNIT] = render_monitor_unit(config, lay)
@@ -296,15 +335,16 @@ def render_sysusers(runtime_users: list[str]) -> str:
 
 def inputs_digest(config: Config, lay: Layout) -> str:
     """A digest of everything render_all makes the files from: the config, the layout (and the
-    cache root it reads from the environment), the templates and the code that renders them.
+    cache root it reads from the environment), the cards it places runtimes on, the templates
+    and the code that renders them.
     render_all is a pure function of these, so equal digests render equal files."""
     from appliance import layout as layout_mod
     from appliance.config import model
 
     h = hashlib.sha256()
-    for part in (repr(config), repr(lay), str(lay.cache_root)):
+    for part in (repr(config), repr(lay), str(lay.cache_root), repr(placements(config))):
         h.update(part.encode() + b"\0")
-    code = [Path(m.__file__ or "") for m in (runtimes, sandbox, layout_mod, model)]
+    code = [Path(m.__file__ or "") for m in (runtimes, sandbox, layout_mod, model, placement)]
     for path in [*sorted(TEMPLATES.glob("*.j2")), Path(__file__), *code]:
         h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from appliance import layout
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance.placement import Selection
 
 HEALTH_PATH = "/health"  # both engines: 200 only once the model is loaded
 METRICS_PATH = "/metrics"
@@ -58,8 +59,9 @@ def stop_timeouts(runtime: RuntimeConfig) -> StopTimeouts:
     return StopTimeouts(engine, container, (container or engine) + 15)
 
 
-def engine_argv(config: Config, runtime: RuntimeConfig) -> list[str]:
-    """The engine's own arguments: model, address, served name, then the user's args."""
+def engine_argv(config: Config, runtime: RuntimeConfig, sel: Selection | None = None) -> list[str]:
+    """The engine's own arguments: model, address, served name, the cards' (tensor parallel),
+    then the user's args."""
     host, port = config.backend.host, str(config.backend.port)
     if runtime.engine is Engine.LLAMACPP:
         argv = ["--model", runtime.model, "--host", host, "--port", port]
@@ -70,7 +72,7 @@ def engine_argv(config: Config, runtime: RuntimeConfig) -> list[str]:
         argv = ["--model", runtime.model, "--served-model-name", config.proxy.model]
         argv += ["--host", host, "--port", port]
         argv += ["--shutdown-timeout", str(stop_timeouts(runtime).engine_s)]
-    return argv + list(runtime.args)
+    return argv + list(sel.args if sel else ()) + list(runtime.args)
 
 
 def container_cli(config: Config, runtime: RuntimeConfig) -> str:
@@ -82,23 +84,24 @@ def container_name(runtime: RuntimeConfig) -> str:
     return layout.container_name(runtime.name)
 
 
-def exec_start(config: Config, runtime: RuntimeConfig) -> list[str]:
-    """The full ExecStart= argv of a runtime unit."""
+def exec_start(config: Config, runtime: RuntimeConfig, sel: Selection | None = None) -> list[str]:
+    """The full ExecStart= argv of a runtime unit; `sel`: its cards, when the config names them
+    (appliance.placement)."""
     if runtime.launcher is Launcher.NATIVE:
-        return list(runtime.command) + engine_argv(config, runtime)
+        return list(runtime.command) + engine_argv(config, runtime, sel)
     engine_bin = container_cli(config, runtime)
     argv = [engine_bin, "run", "--rm", "--name", container_name(runtime), "--network", "host"]
     argv += ["--stop-timeout", str(stop_timeouts(runtime).container_s)]
-    for device in runtime.devices:
+    for device in (*runtime.devices, *(sel.devices if sel else ())):
         argv += ["--device", device]
     if runtime.shm_size:
         argv += ["--shm-size", runtime.shm_size]
-    for volume in runtime.volumes:
+    for volume in (*runtime.volumes, *(sel.volumes if sel else ())):
         argv += ["--volume", volume]
-    for key in sorted(runtime.env):
+    for key in sorted({*runtime.env, *(sel.env if sel else ())}):
         argv += ["--env", key]  # the value comes from the unit's Environment=
     argv.append(runtime.image or "")
-    return argv + engine_argv(config, runtime)
+    return argv + engine_argv(config, runtime, sel)
 
 
 def exec_stop_post(config: Config, runtime: RuntimeConfig) -> list[list[str]]:

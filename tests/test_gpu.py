@@ -428,7 +428,7 @@ def test_wait_start_counts_polls(tree: Path) -> None:
     logged: list[str] = []
     verdict = memgate.wait_start(
         tree,
-        "auto",
+        ("auto",),
         24 * GIB,
         "b70-vllm.service",
         60,

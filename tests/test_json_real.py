@@ -57,7 +57,7 @@ GOOD: dict[tuple[str, ...], tuple[Args, set[str]]] = {
     ("gpu",): (lambda app, tmp: [], {"devices"}),
     ("gpu", "wait-free"): (
         lambda app, tmp: ["--need-gib", "0", "--timeout", "0"],
-        {"device", "need_bytes", "free"},
+        {"devices", "need_bytes", "free"},
     ),
     ("unit", "pre"): (lambda app, tmp: ["--port", str(free_port())], {"port", "free"}),
     ("unit", "ready"): (

@@ -50,7 +50,14 @@ def gpu(ctx: Context, root: Path | None) -> None:
     "--need-bytes", type=int, default=0, show_default=True, help="Memory the start needs."
 )
 @click.option("--need-gib", type=float, help="The same in GiB.")
-@click.option("--device", default="auto", show_default=True, help="PCI address, or auto.")
+@click.option(
+    "--device",
+    "devices",
+    multiple=True,
+    default=("auto",),
+    show_default=True,
+    help="PCI address, or auto; once per card the runtime runs on.",
+)
 @click.option("--unit", help="The unit about to start (its own memory does not count).")
 @click.option(
     "--timeout", "timeout_s", type=click.FloatRange(min=0), default=120, show_default=True
@@ -61,7 +68,7 @@ def gpu_wait_free(
     ctx: Context,
     need_bytes: int,
     need_gib: float | None,
-    device: str,
+    devices: tuple[str, ...],
     unit: str | None,
     timeout_s: float,
     root: Path | None,
@@ -83,8 +90,8 @@ def gpu_wait_free(
             exit_code=2,
         )
     need = int(need_gib * memgate.GIB) if need_gib is not None else need_bytes
-    memgate.wait_start(gpu_root(root), device, need, unit, timeout_s, unitgate_log)
-    output.show(ctx.json, {"device": device, "need_bytes": need, "free": True})
+    memgate.wait_start(gpu_root(root), devices, need, unit, timeout_s, unitgate_log)
+    output.show(ctx.json, {"devices": list(devices), "need_bytes": need, "free": True})
 
 
 @cli.group(hidden=True)

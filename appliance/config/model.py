@@ -39,6 +39,10 @@ DEFAULT_COMMAND: dict[Engine, tuple[str, ...]] = {
     Engine.LLAMACPP: ("llama-server",),
     Engine.VLLM: ("vllm", "serve"),
 }
+# The environment through which a runtime on named cards is told them (appliance.placement).
+PCI_ORDER_ENV = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
+VLLM_MASK_ENV = "ZE_AFFINITY_MASK"
+SYCL_SELECTOR_ENV = "ONEAPI_DEVICE_SELECTOR"
 DEFAULT_START_TIMEOUT_S: dict[Engine, float] = {Engine.LLAMACPP: 300.0, Engine.VLLM: 900.0}
 
 
@@ -69,6 +73,9 @@ class BackendConfig:
 @dataclass(frozen=True)
 class GpuConfig:
     device: str = "auto"
+    # The cards runtimes index (appliance.placement): "auto" (every B70, in PCI address order),
+    # PCI addresses, or None when the config names no cards (one card, no device selection).
+    cards: str | tuple[str, ...] | None = None
     memory_needed_bytes: int = 0
     release_timeout_s: float = 120.0
 
@@ -104,7 +111,8 @@ class RuntimeConfig:
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
     restart_burst: int = 3
-    memory_needed_bytes: int = 0
+    memory_needed_bytes: int = 0  # on each of its cards
+    cards: tuple[int, ...] | None = None  # indices into [gpu] cards; None: the first card
 
     @property
     def unit(self) -> str:

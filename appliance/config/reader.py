@@ -15,7 +15,10 @@ from appliance.config.model import (
     DEFAULT_COMMAND,
     DEFAULT_START_TIMEOUT_S,
     GIB,
+    PCI_ORDER_ENV,
     RESERVED_FLAGS,
+    SYCL_SELECTOR_ENV,
+    VLLM_MASK_ENV,
     BackendConfig,
     Config,
     Engine,
@@ -114,8 +117,9 @@ def _refuse_control_characters(path: Path, data: object, key: str = "") -> None:
 RUNTIME_KEYS = {
     *("engine", "launcher", "model", "command", "image", "mmproj", "env", "args"),
     *("devices", "volumes", "shm_size", "user"),
-    *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib"),
+    *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib", "cards"),
 }
+MAX_CARDS = 64
 
 
 class _Reader(Walker):
@@ -151,6 +155,7 @@ class _Reader(Walker):
                 f"{default!r} is not a configured runtime",
                 "one of: " + ", ".join(sorted(runtimes)),
             )
+        self.together(runtimes)
         monitor = self.monitor(self.table(data, "monitor"), set(runtimes))
         self.listeners({"proxy": proxy, "backend": backend, "monitor": monitor})
         return Config(
@@ -165,6 +170,25 @@ class _Reader(Walker):
             docker=self.path_value(data, "docker", "", "/usr/bin/docker"),
             podman=self.path_value(data, "podman", "", "/usr/bin/podman"),
         )
+
+    def together(self, runtimes: Mapping[str, RuntimeConfig]) -> None:
+        """Every two runtimes share a card. Runtimes on disjoint cards would serve at the same
+        time, each on a port of its own behind its own deployment; until the proxy routes to
+        several runtimes, they all listen on [backend] port and so must exclude each other."""
+
+        def cards(rt: RuntimeConfig) -> set[int]:
+            return set(rt.cards if rt.cards is not None else (0,))
+
+        names = sorted(runtimes)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                if not cards(runtimes[a]) & cards(runtimes[b]):
+                    raise self.fail(
+                        f"runtimes.{b}.cards",
+                        f"shares no card with runtimes.{a}, so both would serve at once; "
+                        "runtimes serving side by side are not supported yet",
+                        "give every two runtimes a card in common (they then take turns)",
+                    )
 
     def listeners(
         self, sections: Mapping[str, ProxyConfig | BackendConfig | MonitorConfig]
@@ -270,15 +294,104 @@ class _Reader(Walker):
 
     def gpu(self, t: Mapping[str, Any]) -> GpuConfig:
         p = "gpu."
-        self.known(t, p, {"device", "memory_needed_gib", "release_timeout_s"})
+        self.known(t, p, {"device", "cards", "memory_needed_gib", "release_timeout_s"})
         needed = self.get(t, "memory_needed_gib", p, float, 0.0, check_range(0, MAX_MEMORY_GIB))
+        if "device" in t and "cards" in t:
+            raise self.fail(
+                p + "cards",
+                "gpu.device names one card, gpu.cards all of them: use one",
+                'e.g. cards = ["0000:03:00.0", "0000:04:00.0"], or cards = "auto"',
+            )
         return GpuConfig(
+            cards=self.gpu_cards(t, p),
             device=self.get(t, "device", p, str, "auto", check_pci_address),
             memory_needed_bytes=int(needed * GIB),
             release_timeout_s=self.get(
                 t, "release_timeout_s", p, float, 120.0, check_range(0, HOUR_S, low_open=True)
             ),
         )
+
+    def gpu_cards(self, t: Mapping[str, Any], p: str) -> str | tuple[str, ...] | None:
+        if "cards" not in t:
+            return None
+        value = t["cards"]
+        if value == "auto":
+            return "auto"
+        hint = 'PCI addresses as `b70ctl gpu` lists them, e.g. ["0000:03:00.0"], or "auto"'
+        if not isinstance(value, list) or not value:
+            raise self.fail(
+                p + "cards",
+                f'must be "auto" or a list of PCI addresses, not '
+                f"{kind_of(value) if not isinstance(value, list) else 'an empty list'}",
+                hint,
+            )
+        for i, slot in enumerate(value):
+            if not isinstance(slot, str) or slot == "auto" or check_pci_address(slot):
+                raise self.fail(f"{p}cards[{i}]", f"{slot!r} is not a PCI address", hint)
+            if slot in value[:i]:
+                raise self.fail(f"{p}cards[{i}]", f"{slot} is listed twice", hint)
+        if len(value) > MAX_CARDS:
+            raise self.fail(p + "cards", f"lists {len(value)} cards; at most {MAX_CARDS}")
+        return tuple(value)
+
+    def runtime_cards(
+        self,
+        t: Mapping[str, Any],
+        p: str,
+        gpu: GpuConfig,
+        engine: Engine,
+        launcher: Launcher,
+        args: tuple[str, ...],
+        devices: tuple[str, ...],
+        env: Mapping[str, str],
+    ) -> tuple[int, ...] | None:
+        """A runtime's cards, as indices into [gpu] cards."""
+        if "cards" not in t:
+            return None
+        value = t["cards"]
+        hint = "indices into [gpu] cards, from 0: cards = [0], or cards = [0, 1] for two"
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+        ):
+            raise self.fail(p + "cards", f"must be a list of card indices, not {value!r}", hint)
+        for i, index in enumerate(value):
+            if not 0 <= index < MAX_CARDS:
+                raise self.fail(f"{p}cards[{i}]", f"{index} is not a card index (0-63)", hint)
+            if index in value[:i]:
+                raise self.fail(f"{p}cards[{i}]", f"card {index} is listed twice", hint)
+            if isinstance(gpu.cards, tuple) and index >= len(gpu.cards):
+                raise self.fail(
+                    f"{p}cards[{i}]",
+                    f"card {index} is not in gpu.cards, which lists {len(gpu.cards)}",
+                    hint,
+                )
+        if engine is Engine.VLLM:
+            for arg in args:
+                if arg.split("=", 1)[0] in ("--tensor-parallel-size", "-tp"):
+                    raise self.fail(
+                        p + "args",
+                        f"sets {arg.split('=', 1)[0]}, which the appliance sets from "
+                        f"{p}cards (one worker per card)",
+                        "drop it: cards = [0, 1] runs tensor parallel over two cards",
+                    )
+        for key in (PCI_ORDER_ENV, VLLM_MASK_ENV, SYCL_SELECTOR_ENV):
+            if key in env:
+                raise self.fail(
+                    f"{p}env.{key}",
+                    f"the appliance sets {key} from {p}cards",
+                    "drop it: cards = [1] puts the runtime on the second card",
+                )
+        if launcher is not Launcher.NATIVE:
+            for i, device in enumerate(devices):
+                if device.split(":", 1)[0].rstrip("/").startswith("/dev/dri"):
+                    raise self.fail(
+                        f"{p}devices[{i}]",
+                        f"{device} would give the container cards besides its own",
+                        f"drop it: the appliance passes the nodes of {p}cards",
+                    )
+        return tuple(value)
 
     def runtime_name(self, name: str) -> None:
         if not NAME_RE.fullmatch(name):
@@ -314,6 +427,7 @@ class _Reader(Walker):
         needed_gib = self.get(
             t, "memory_needed_gib", p, float, -1.0, check_range(0, MAX_MEMORY_GIB)
         )
+        devices = self.paths(t, "devices", p, "/dev/dri or /dev/dri/renderD128:/dev/dri/renderD128")
         return RuntimeConfig(
             name=name,
             engine=engine,
@@ -324,9 +438,8 @@ class _Reader(Walker):
             mmproj=os.path.expanduser(mmproj) if mmproj else None,
             env=dict(env_table),
             args=args,
-            devices=self.paths(
-                t, "devices", p, "/dev/dri or /dev/dri/renderD128:/dev/dri/renderD128"
-            ),
+            devices=devices,
+            cards=self.runtime_cards(t, p, gpu, engine, launcher, args, devices, env_table),
             volumes=self.paths(t, "volumes", p, "/srv/models:/models:ro"),
             shm_size=self.get(t, "shm_size", p, str, "", check_size) or None,
             user=self.get(t, "user", p, str, "", check_user_name) or None,

@@ -7,7 +7,7 @@ preflight. Both are pure functions of a gpu.Snapshot.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,9 +113,20 @@ def judge_switch(snap: gpu.Snapshot, wanted: str, need_bytes: int, ours: set[int
     )
 
 
+def judge_start_all(
+    snap: gpu.Snapshot, wanted: Sequence[str], need_bytes: int, unit: str | None
+) -> Verdict:
+    """judge_start on each of a runtime's cards: the first that says no, else all of them."""
+    verdicts = [judge_start(snap, w, need_bytes, unit) for w in wanted]
+    for verdict in verdicts:
+        if not verdict.ok:
+            return verdict
+    return Verdict(True, "; ".join(dict.fromkeys(v.reason for v in verdicts)), verdicts[0].device)
+
+
 def wait_start(
     root: Path,
-    wanted: str,
+    wanted: Sequence[str],
     need_bytes: int,
     unit: str | None,
     timeout_s: float,
@@ -128,7 +139,7 @@ def wait_start(
     start = clock()
     last = ""
     while True:
-        verdict = judge_start(gpu.snapshot(root), wanted, need_bytes, unit)
+        verdict = judge_start_all(gpu.snapshot(root), wanted, need_bytes, unit)
         if verdict.ok:
             log(f"GPU memory: {verdict.reason} (after {clock() - start:.1f} s)")
             return verdict
