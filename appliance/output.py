@@ -70,11 +70,13 @@ def table(rows: list[list[str]]) -> str:
 
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"runtime   {s['active_runtime'] or ', '.join(s['active_runtimes']) or 'none active'}"]
-    rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID", "RESTARTS"]]
+    placed = any(u.get("cards") for u in s["units"])
+    rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID", "RESTARTS"] + (["CARDS"] if placed else [])]
     for u in s["units"]:
         restarts = "-" if u.get("restarts") is None else str(u["restarts"])
         pid = str(u["main_pid"] or "-")
-        rows.append([u["unit"], u["active"], u["sub"], u["enabled"] or "-", pid, restarts])
+        row = [u["unit"], u["active"], u["sub"], u["enabled"] or "-", pid, restarts]
+        rows.append(row + ([u.get("cards") or "-"] if placed else []))
     lines.append(table(rows))
     for key in ("backend", "proxy"):
         p = s[key]

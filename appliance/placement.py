@@ -120,6 +120,22 @@ def cards_of(config: Config, runtime: RuntimeConfig, cards: Sequence[Card]) -> l
     return out
 
 
+def placements(
+    config: Config, devices: Sequence[Device] | None = None
+) -> dict[str, list[Card]] | None:
+    """Each runtime's cards on this machine (its sysfs, unless `devices` are given), or None
+    when the config names no cards."""
+    if not is_placed(config):
+        return None
+    if devices is None:
+        from appliance.gpu import sysroot
+        from appliance.gpu.sysfs import read_devices
+
+        devices = read_devices(sysroot())
+    cards = card_list(config, devices)
+    return {name: cards_of(config, rt, cards) for name, rt in sorted(config.runtimes.items())}
+
+
 def selection(runtime: RuntimeConfig, cards: Sequence[Card]) -> Selection:
     """How `runtime`'s engine and launcher are told to use `cards`, and only them."""
     container = runtime.launcher is not Launcher.NATIVE

@@ -124,25 +124,6 @@ def conflicting(config: Config, runtime: RuntimeConfig) -> list[RuntimeConfig]:
     ]
 
 
-Placements = Mapping[str, list[placement.Card]]
-
-
-def placements(config: Config, devices: Sequence[Device] | None = None) -> Placements | None:
-    """Each runtime's cards on this machine (its sysfs, unless `devices` are given), or None
-    when the config names no cards."""
-    if not placement.is_placed(config):
-        return None
-    if devices is None:
-        from appliance.gpu import sysroot
-        from appliance.gpu.sysfs import read_devices
-
-        devices = read_devices(sysroot())
-    cards = placement.card_list(config, devices)
-    return {
-        name: placement.cards_of(config, rt, cards) for name, rt in sorted(config.runtimes.items())
-    }
-
-
 def render_runtime_unit(
     config: Config, runtime: RuntimeConfig, lay: Layout, cards: list[placement.Card] | None = None
 ) -> str:
@@ -299,7 +280,7 @@ def render_all(
 ) -> dict[str, str]:
     """Every file an installation consists of (the secret key aside), by file name. A config
     that names cards is placed on `devices`, by default this machine's GPUs."""
-    placed = placements(config, devices)
+    placed = placement.placements(config, devices)
     files = {
         rt.unit: render_runtime_unit(config, rt, lay, placed[rt.name] if placed else None)
         for rt in config.runtimes.values()
@@ -342,7 +323,7 @@ def inputs_digest(config: Config, lay: Layout) -> str:
     from appliance.config import model
 
     h = hashlib.sha256()
-    for part in (repr(config), repr(lay), str(lay.cache_root), repr(placements(config))):
+    for part in (repr(config), repr(lay), str(lay.cache_root), repr(placement.placements(config))):
         h.update(part.encode() + b"\0")
     code = [Path(m.__file__ or "") for m in (runtimes, sandbox, layout_mod, model, placement)]
     for path in [*sorted(TEMPLATES.glob("*.j2")), Path(__file__), *code]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from appliance import health, runtimes, state, systemd
+from appliance import health, placement, runtimes, state, systemd
 from appliance.config import Config, Launcher
+from appliance.errors import ConfigError
 from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
 from appliance.proxy import hold
 from appliance.recovery import recover_killed_switch
@@ -25,6 +26,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     backend = health.probe(runtimes.backend_url(config) + "/health")
     proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
     foreign = backend_squatter(config, states)
+    cards = cards_view(config)
     return {
         "scope": scope.value,
         "config": str(config.path),
@@ -41,6 +43,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
                 "result": s.result,
                 "since_us": s.active_enter_us,
                 "restarts": s.n_restarts,  # systemd's own count (NRestarts)
+                "cards": cards.get(s.name),
             }
             for s in states.values()
         ],
@@ -62,6 +65,21 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         "killed_switch": killed,
         "monitor": monitor_view(lay.state_dir),
     }
+
+
+def cards_view(config: Config) -> dict[str, str]:
+    """Each runtime unit's cards, when the config names cards: `cards 0-1 (0000:03:00.0, ...)`,
+    or only the indices where this machine does not have them."""
+    try:
+        placed = placement.placements(config)
+    except ConfigError:
+        return {
+            rt.unit: f"cards {','.join(map(str, placement.card_indices(rt)))} (not all found)"
+            for rt in config.runtimes.values()
+        }
+    if placed is None:
+        return {}
+    return {config.runtimes[n].unit: placement.describe(c) for n, c in placed.items()}
 
 
 def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> str | None:

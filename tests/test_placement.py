@@ -1,0 +1,307 @@
+"""Cards: the config names them, units select them per engine, and exclude each other by overlap."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+
+from appliance import config, placement
+from appliance.errors import ConfigError
+from appliance.gpu.memgate import judge_start_all
+from appliance.gpu.sysfs import Device
+from appliance.layout import UNIT_SUFFIXES, Scope, layout
+from appliance.placement import placements
+from appliance.render import render_all
+from b70tools import gpu_trees as t
+from tests.test_render import analyze_verify, unit_lines, verify_root
+
+B70, IGPU = 0xE223, 0xA780
+# An integrated GPU sorts first, so the B70s are Level Zero ordinals 1-3, not 0-2; a card of
+# another vendor is no Level Zero device at all.
+BOX = [
+    Device("0000:00:02.0", 0x8086, IGPU, "i915", "card0", "renderD128"),
+    Device("0000:03:00.0", 0x8086, B70, "xe", "card1", "renderD129"),
+    Device("0000:04:00.0", 0x10DE, 0x2684, "nvidia", "card2", "renderD130"),
+    Device("0000:83:00.0", 0x8086, B70, "xe", "card4", "renderD132"),
+    Device("0000:07:00.0", 0x8086, B70, "xe", "card3", "renderD131"),
+]
+
+HEAD = """
+default_runtime = "tp"
+b70ctl = "/opt/b70/bin/b70ctl"
+[gpu]
+{gpu}
+"""
+TP_AND_VISION = """
+[runtimes.tp]
+engine = "vllm"
+model = "/m"
+cards = [0, 1]
+[runtimes.vision]
+engine = "llamacpp"
+command = ["/opt/llama.cpp/bin/llama-server"]
+model = "/m.gguf"
+cards = [1]
+[runtimes.ctr]
+engine = "vllm"
+launcher = "docker"
+image = "ghcr.io/x/vllm:1"
+model = "/m"
+cards = [2, 1]
+"""
+
+
+def parse(text: str) -> config.Config:
+    return config.parse(text, Path("cards.toml"))
+
+
+def placed(gpu: str = 'cards = "auto"', runtimes: str = TP_AND_VISION) -> dict[str, str]:
+    return render_all(parse(HEAD.format(gpu=gpu) + runtimes), layout(Scope.SYSTEM), BOX)
+
+
+SELECTION = ("ZE_AFFINITY_MASK", "ZE_ENABLE_PCI_ID_DEVICE_ORDER", "ONEAPI_DEVICE_SELECTOR")
+
+
+def env_of(unit: str) -> dict[str, str]:
+    """The device selection among a unit's Environment= lines."""
+    pairs = (v.strip('"').split("=", 1) for v in unit_lines(unit, "Environment"))
+    return {k: v for k, v in pairs if k in SELECTION}
+
+
+def test_auto_takes_every_b70_in_pci_order_and_numbers_them_as_level_zero_does() -> None:
+    cards = placement.card_list(parse(HEAD.format(gpu='cards = "auto"') + TP_AND_VISION), BOX)
+    assert [(c.index, c.pci, c.ordinal, c.render) for c in cards] == [
+        (0, "0000:03:00.0", 1, "renderD129"),
+        (1, "0000:07:00.0", 2, "renderD131"),
+        (2, "0000:83:00.0", 3, "renderD132"),
+    ]
+
+
+def test_native_vllm_on_two_cards_runs_tensor_parallel_under_one_affinity_mask() -> None:
+    unit = placed()["b70-tp.service"]
+    assert env_of(unit) == {"ZE_AFFINITY_MASK": "1,2", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1"}
+    start = unit_lines(unit, "ExecStart")[0]
+    assert "--tensor-parallel-size 2" in start
+    assert "cards 0-1 (0000:03:00.0, 0000:07:00.0)" in unit_lines(unit, "Description")[0]
+    gate = unit_lines(unit, "ExecStartPre")[0]
+    assert "--device 0000:03:00.0 --device 0000:07:00.0 " in gate
+
+
+def test_llamacpp_gets_the_sycl_selector_and_one_card_no_tensor_parallel() -> None:
+    unit = placed()["b70-vision.service"]
+    assert env_of(unit)["ONEAPI_DEVICE_SELECTOR"] == "level_zero:2"
+    assert "tensor-parallel" not in unit
+    assert unit_lines(unit, "ExecStartPre")[0].count("--device ") == 1
+
+
+def test_a_container_gets_only_its_cards_nodes_numbered_from_zero_inside() -> None:
+    unit = placed()["b70-ctr.service"]
+    start = unit_lines(unit, "ExecStart")[0]
+    # cards = [2, 1]: the runtime's order; nodes under the host's names, by-path for oneCCL.
+    assert (
+        "--device /dev/dri/renderD132 --device /dev/dri/card4 "
+        "--device /dev/dri/renderD131 --device /dev/dri/card3 " in start
+    )
+    assert "/dev/dri/renderD129" not in start and "--device /dev/dri " not in start
+    assert "--volume /dev/dri/by-path:/dev/dri/by-path:ro" in start
+    assert "--env ZE_AFFINITY_MASK" in start and "--env ZE_ENABLE_PCI_ID_DEVICE_ORDER" in start
+    assert env_of(unit)["ZE_AFFINITY_MASK"] == "0,1"
+
+
+def test_explicit_addresses_index_as_listed() -> None:
+    gpu = 'cards = ["0000:83:00.0", "0000:03:00.0", "0000:07:00.0"]'
+    unit = placed(gpu)["b70-vision.service"]
+    assert env_of(unit)["ONEAPI_DEVICE_SELECTOR"] == "level_zero:1"  # card 1 = 0000:03:00.0
+
+
+def test_a_config_without_cards_renders_no_selection_and_reads_no_sysfs() -> None:
+    cfg = parse(
+        HEAD.format(gpu="") + '[runtimes.tp]\nengine = "vllm"\nmodel = "/m"\n'
+        '[runtimes.b]\nengine = "llamacpp"\nmodel = "/m.gguf"\n'
+    )
+    assert placements(cfg, devices=None) is None
+    unit = render_all(cfg, layout(Scope.SYSTEM), devices=[])["b70-tp.service"]
+    assert env_of(unit) == {} and "--device auto" in unit
+    assert "b70-b.service" in unit_lines(unit, "Conflicts")
+
+
+@pytest.mark.parametrize(
+    ("gpu", "runtime_cards", "message"),
+    [
+        ('cards = ["0000:05:00.0"]', "[0]", "gpu.cards[0]: 0000:05:00.0 is no GPU on this"),
+        ('cards = ["0000:04:00.0"]', "[0]", "0000:04:00.0 is not an Intel GPU under xe or i915"),
+        ('cards = "auto"', "[3]", "runtimes.one.cards: card 3 is not in the appliance's card"),
+    ],
+)
+def test_cards_this_machine_does_not_have_are_named(
+    gpu: str, runtime_cards: str, message: str
+) -> None:
+    text = HEAD.format(gpu=gpu).replace('"tp"', '"one"')
+    text += f'[runtimes.one]\nengine = "vllm"\nmodel = "/m"\ncards = {runtime_cards}\n'
+    with pytest.raises(ConfigError) as raised:
+        render_all(parse(text), layout(Scope.SYSTEM), BOX)
+    assert message in str(raised.value) and "`b70ctl gpu` lists" in (raised.value.hint or "")
+
+
+RUNTIME = '[runtimes.one]\nengine = "{engine}"\nmodel = "/m"\n{extra}\n'
+# Commands that the verify root holds as stub executables.
+COMMAND = {
+    "vllm": 'command = ["/usr/bin/docker"]',
+    "llamacpp": 'command = ["/opt/llama.cpp/bin/llama-server"]',
+}
+
+
+@pytest.mark.parametrize(
+    ("gpu", "extra", "key", "what"),
+    [
+        ("cards = []", "", "gpu.cards", "empty list"),
+        ("cards = 3", "", "gpu.cards", "must be"),
+        ('cards = ["03:00.0"]', "", "gpu.cards[0]", "not a PCI address"),
+        ('cards = ["0000:03:00.0", "0000:03:00.0"]', "", "gpu.cards[1]", "listed twice"),
+        ('device = "auto"\ncards = "auto"', "", "gpu.cards", "use one"),
+        ("", "cards = []", "runtimes.one.cards", "list of card indices"),
+        ("", 'cards = ["0"]', "runtimes.one.cards", "list of card indices"),
+        ("", "cards = [true]", "runtimes.one.cards", "list of card indices"),
+        ("", "cards = [-1]", "runtimes.one.cards[0]", "not a card index"),
+        ("", "cards = [0, 0]", "runtimes.one.cards[1]", "listed twice"),
+        ('cards = ["0000:03:00.0"]', "cards = [1]", "runtimes.one.cards[0]", "lists 1"),
+        ("", 'cards = [0, 1]\nargs = ["-tp", "2"]', "runtimes.one.args", "sets -tp"),
+        ("", 'cards = [0]\nenv = {ZE_AFFINITY_MASK = "3"}', "env.ZE_AFFINITY_MASK", "sets"),
+    ],
+)
+def test_bad_cards_are_named_with_their_key(gpu: str, extra: str, key: str, what: str) -> None:
+    text = HEAD.format(gpu=gpu).replace('"tp"', '"one"') + RUNTIME.format(
+        engine="vllm", extra=extra
+    )
+    with pytest.raises(ConfigError) as raised:
+        parse(text)
+    assert key in str(raised.value) and what in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("runtimes", "pattern"),
+    [
+        (
+            '[runtimes.a]\nengine = "vllm"\nlauncher = "docker"\nimage = "x/y:1"\n'
+            'model = "/m"\ncards = [0]\ndevices = ["/dev/dri"]\n',
+            r"runtimes\.a\.devices\[0\]: /dev/dri would give the container cards besides",
+        ),
+        (
+            '[runtimes.a]\nengine = "vllm"\nmodel = "/m"\ncards = [0]\n'
+            '[runtimes.b]\nengine = "vllm"\nmodel = "/m"\ncards = [1]\n',
+            r"runtimes\.b\.cards: shares no card with runtimes\.a, so both would serve at once",
+        ),
+    ],
+)
+def test_placements_the_appliance_cannot_serve_yet_are_refused(runtimes: str, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        parse(HEAD.format(gpu="").replace('"tp"', '"a"') + runtimes)
+
+
+def random_assignment(rng: random.Random, names: list[str], n_cards: int) -> dict[str, tuple]:
+    return {name: tuple(rng.sample(range(n_cards), rng.randint(1, n_cards))) for name in names}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_placements_conflict_exactly_where_cards_intersect(
+    seed: int, tmp_path: Path
+) -> None:
+    """Rendering is general: runtimes on disjoint cards get no Conflicts= (the reader still
+    refuses them until they can serve side by side, so these configs are built directly)."""
+    rng = random.Random(seed)
+    engines = ["vllm", "llamacpp"]
+    text = HEAD.format(gpu='cards = "auto"').replace('"tp"', '"r0"')
+    names = [f"r{i}" for i in range(rng.randint(2, 5))]
+    for name in names:
+        engine = rng.choice(engines)
+        text += RUNTIME.format(engine=engine, extra=COMMAND[engine]).replace("one", name)
+    cfg = parse(text)
+    cards = random_assignment(rng, names, 3)
+    cfg = dataclasses.replace(
+        cfg,
+        runtimes={n: dataclasses.replace(rt, cards=cards[n]) for n, rt in cfg.runtimes.items()},
+    )
+    files = render_all(cfg, layout(Scope.SYSTEM), BOX)
+    for a, b in itertools.combinations(names, 2):
+        ua, ub = f"b70-{a}.service", f"b70-{b}.service"
+        meet = bool(set(cards[a]) & set(cards[b]))
+        assert (ub in unit_lines(files[ua], "Conflicts")) is meet, (a, b, cards)
+        assert (ua in unit_lines(files[ub], "Conflicts")) is meet, (a, b, cards)
+        after = (ub in unit_lines(files[ua], "After")) + (ua in unit_lines(files[ub], "After"))
+        assert after == (1 if meet else 0), (a, b, cards)
+    units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
+    assert analyze_verify(verify_root(tmp_path, files), units) == ""
+
+
+def test_the_memory_gate_says_no_when_any_of_the_cards_is_short(tmp_path: Path) -> None:
+    from appliance import gpu
+
+    gib = 1024**3
+    root = t.build(
+        tmp_path,
+        [
+            t.Card("0000:03:00.0", card="card1", render="renderD128"),
+            t.Card("0000:07:00.0", card="card2", render="renderD129", vram_used=30 * gib),
+        ],
+        [],
+    )
+    snap = gpu.snapshot(root)
+    assert judge_start_all(snap, ["0000:03:00.0"], 20 * gib, None).ok
+    both = judge_start_all(snap, ["0000:03:00.0", "0000:07:00.0"], 20 * gib, None)
+    assert not both.ok and both.reason.startswith("0000:07:00.0: ")
+
+
+def two_b70s(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> config.Config:
+    """A sysfs tree with two B70s, read as this machine's; a config with tp and vision on it."""
+    root = t.build(
+        tmp_path,
+        [
+            t.Card("0000:03:00.0", card="card1", render="renderD128"),
+            t.Card("0000:07:00.0", card="card2", render="renderD129"),
+        ],
+        [],
+    )
+    monkeypatch.setenv("B70_SYSROOT", str(root))
+    return parse(HEAD.format(gpu='cards = "auto"') + TP_AND_VISION.split("[runtimes.ctr]")[0])
+
+
+def test_install_places_on_the_sysfs_it_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = two_b70s(tmp_path, monkeypatch)
+    unit = render_all(cfg, layout(Scope.SYSTEM))["b70-vision.service"]
+    assert env_of(unit)["ONEAPI_DEVICE_SELECTOR"] == "level_zero:1"
+
+
+def test_status_names_each_runtimes_cards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from appliance import output
+    from appliance.status import cards_view
+
+    cfg = two_b70s(tmp_path, monkeypatch)
+    view = cards_view(cfg)
+    assert view == {
+        "b70-tp.service": "cards 0-1 (0000:03:00.0, 0000:07:00.0)",
+        "b70-vision.service": "card 1 (0000:07:00.0)",
+    }
+    unit = {"active": "active", "sub": "running", "enabled": "enabled", "main_pid": 7}
+    units = [{**unit, "unit": u, "restarts": 0, "cards": c} for u, c in view.items()]
+    units.append({**unit, "unit": "b70-litellm.service", "restarts": 0, "cards": None})
+    text = output.render_status(
+        {
+            "active_runtime": "tp",
+            "active_runtimes": ["tp"],
+            "units": units,
+            "backend": {"url": "http://127.0.0.1:8001", "healthy": True, "detail": ""},
+            "proxy": {"url": "http://127.0.0.1:8000", "healthy": True, "detail": ""},
+        }
+    )
+    lines = text.splitlines()
+    assert lines[1].split()[-1] == "CARDS"
+    assert lines[2].endswith("cards 0-1 (0000:03:00.0, 0000:07:00.0)")
+    assert lines[4].split()[-1] == "-"
+    monkeypatch.setenv("B70_SYSROOT", str(tmp_path / "empty"))
+    assert cards_view(cfg)["b70-vision.service"] == "cards 1 (not all found)"
