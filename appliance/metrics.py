@@ -16,8 +16,8 @@ from appliance.layout import HISTORY
 from appliance.proxy import hold
 
 
-def switch_counts(state_dir: Path) -> tuple[int, int, float | None]:
-    """Switches, failed switches, and the last switch's duration, from the switch records."""
+def switch_counts(state_dir: Path) -> tuple[int, int, dict[str, Any] | None]:
+    """Switches, failed switches, and the last switch's record, from the switch records."""
     total = failed = 0
     last = None
     try:
@@ -29,9 +29,11 @@ def switch_counts(state_dir: Path) -> tuple[int, int, float | None]:
             record = json.loads(line)
         except ValueError:
             continue
+        if not isinstance(record, dict):
+            continue
         total += 1
         failed += not record.get("ok")
-        last = record.get("seconds")
+        last = record
     return total, failed, last
 
 
@@ -57,7 +59,7 @@ class Exporter(Collector):
             "gpu": snap,
             "switches": total,
             "switches_failed": failed,
-            "last_switch_s": last,
+            "last_switch": last,
             "held": hold.read_counts(state_dir),
         }
 
@@ -108,12 +110,25 @@ class Exporter(Collector):
         yield CounterMetricFamily(
             "b70_switches_failed", "Switches that failed", value=float(s["switches_failed"])
         )
-        if s["last_switch_s"] is not None:
+        last = s["last_switch"]
+        if last is None:
+            return
+        if isinstance(last.get("seconds"), int | float):
             yield GaugeMetricFamily(
                 "b70_last_switch_duration_seconds",
                 "How long the last switch took",
-                value=float(s["last_switch_s"]),
+                value=float(last["seconds"]),
             )
+        phases = GaugeMetricFamily(
+            "b70_last_switch_phase_seconds",
+            "How long each phase of the last switch took",
+            labels=["phase"],
+        )
+        recorded = last.get("phases")
+        for phase, seconds in sorted(recorded.items() if isinstance(recorded, dict) else ()):
+            if isinstance(seconds, int | float):
+                phases.add_metric([str(phase)], float(seconds))
+        yield phases
 
     def _requests(self, s: dict[str, Any]) -> Iterator[Any]:
         o, held = s["o"], s["held"]
