@@ -323,6 +323,15 @@ def render_removed(removed: list[str]) -> str:
     return "\n".join(f"removed {path}" for path in removed)
 
 
+def render_doctor(checks: list[Any]) -> str:
+    lines = []
+    for c in checks:
+        lines.append(f"{'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
+        if c.fix and not c.ok:
+            lines.append(f"      fix: {c.fix}")
+    return "\n".join(lines)
+
+
 def render_gate(doc: dict[str, Any]) -> str:
     return "\n".join(
         f"{'ok  ' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}" for c in doc["checks"]

@@ -170,3 +170,27 @@ def foreign(pid: int = 5151, resident: str = "20480 MiB") -> Proc:
         FOREIGN_CGROUP,
         [Client(fd=9, slot=B70, client_id=31, resident=resident)],
     )
+
+
+def healthy_host(root: Path, slots: list[str], memory_kib: int = 64 * 1024**2) -> Path:
+    """A B70 host as `b70ctl doctor` wants it: B70s under xe at `slots` with their
+    /dev/dri/by-path links, kernel 7.1, the render group (with the b70 user), root's
+    capabilities, and `memory_kib` of memory."""
+    cards = [
+        Card(slot, card=f"card{i + 1}", render=f"renderD{128 + i}") for i, slot in enumerate(slots)
+    ]
+    build(root, cards, [])
+    files = {
+        "proc/sys/kernel/osrelease": "7.1.0-b70\n",
+        "proc/meminfo": f"MemTotal:       {memory_kib} kB\nMemFree:        1024 kB\n",
+        "etc/group": "root:x:0:\nrender:x:105:b70\n",
+        "etc/passwd": "root:x:0:0::/root:/bin/sh\nb70:x:990:990::/var/lib/b70:/bin/false\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    by_path = root / "dev" / "dri" / "by-path"
+    by_path.mkdir(parents=True, exist_ok=True)
+    for card in cards:
+        os.symlink(f"../{card.render}", by_path / f"pci-{card.slot}-render")
+    return root

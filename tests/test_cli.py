@@ -23,6 +23,7 @@ COMMANDS = sorted(name for name, cmd in cli.commands.items() if not cmd.hidden)
 def test_the_public_commands() -> None:
     assert COMMANDS == [
         "bench",
+        "doctor",
         "gate",
         "gpu",
         "install",
@@ -79,6 +80,7 @@ def _all_commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tupl
 # Every command, with the arguments it needs; each is run against broken inputs below.
 ARGS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("bench",): (),
+    ("doctor",): (),
     ("gate",): (),
     ("gpu",): (),
     ("gpu", "wait-free"): ("--need-gib", "1", "--timeout", "0"),

@@ -45,6 +45,29 @@ def gpu(ctx: Context, root: Path | None) -> None:
     output.show(ctx.json, output.gpu_document(snap), lambda: output.render_gpu(snap))
 
 
+@cli.command()
+@root_option
+@with_json
+def doctor(ctx: Context, root: Path | None) -> None:
+    """Check this host for the appliance: cards and the xe driver, the kernel, the render group,
+    /dev/dri/by-path, CAP_PERFMON, the container engine and images, the models (whole, by
+    their headers), llama-server's libraries, and host memory for --cpu-offload-gb.
+
+    Prints one line per check, with the fix for each that fails; exits 1 if any fails.
+
+    \b
+    Example:
+      sudo b70ctl --config /etc/b70/appliance.toml doctor
+    """
+    from appliance import doctor as doctor_mod
+
+    checks = doctor_mod.doctor(ctx.config(), gpu_root(root))
+    if not ctx.json:
+        output.show(False, checks, lambda: output.render_doctor(checks))
+    doctor_mod.require(checks)
+    output.show(ctx.json, {"checks": [vars(c) for c in checks]})
+
+
 @gpu.command("wait-free")
 @click.option(
     "--need-bytes", type=int, default=0, show_default=True, help="Memory the start needs."

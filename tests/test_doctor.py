@@ -1,0 +1,305 @@
+"""`b70ctl doctor` on fixture trees: a healthy two-B70 host, then each failure on its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from appliance import doctor, modelfiles
+from b70tools import gpu_trees as t
+
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
+
+
+def gguf_bytes(tensors: list[tuple[str, list[int], int, int]], alignment: int = 32) -> bytes:
+    """A GGUF v3 file: one metadata key (general.alignment), then the tensors' infos and data."""
+
+    def string(s: str) -> bytes:
+        return struct.pack("<Q", len(s)) + s.encode()
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 2)
+    out += string("general.alignment") + struct.pack("<II", 4, alignment)
+    out += string("general.tags") + struct.pack("<IIQ", 9, 8, 2) + string("a") + string("bc")
+    end = 0
+    for name, dims, kind, offset in tensors:
+        out += string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+        out += struct.pack("<IQ", kind, offset)
+        per_block, block_bytes = modelfiles.GGML_TYPES[kind]
+        count = 1
+        for d in dims:
+            count *= d
+        end = max(end, offset + -(-count // per_block) * block_bytes)
+    start = -(-len(out) // alignment) * alignment
+    return out + b"\0" * (start - len(out) + end)
+
+
+def safetensors_bytes() -> bytes:
+    header = json.dumps(
+        {
+            "__metadata__": {"format": "pt"},
+            "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            "b": {"dtype": "F16", "shape": [8], "data_offsets": [16, 32]},
+        }
+    ).encode()
+    return struct.pack("<Q", len(header)) + header + b"\1" * 32
+
+
+GGUF = [("tok", [64, 4], 0, 0), ("blk.0.q", [256, 2], 12, 1024)]  # F32, then Q4_K
+
+
+def executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+class Host:
+    """A healthy host: two B70s under xe, kernel 7.1, the render group, by-path links, root's
+    capabilities, 64 GiB, docker that answers and has the image, the models whole."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.root = t.healthy_host(tmp / "root", ["0000:03:00.0", "0000:07:00.0"])
+        self.bin = tmp / "bin"
+        self.calls = tmp / "calls"
+        self.docker = executable(
+            self.bin / "docker",
+            f'#!/bin/sh\necho "$@" >> {self.calls}\n'
+            'case "$1" in info) exit ${DOCKER_INFO_RC:-0};;\n'
+            '  image) [ -n "$DOCKER_NO_IMAGE" ] && { echo "No such image" >&2; exit 1; }\n'
+            "    echo sha256:0123456789abcdef0123;; esac\n",
+        )
+        executable(
+            self.bin / "ldd",
+            f'#!/bin/sh\necho "ldd $@" >> {self.calls}\n'
+            'echo "\tlibc.so.6 => /lib/x86_64-linux-gnu/libc.so.6 (0x00007f)"\n'
+            '[ -n "$LDD_MISSING" ] && echo "\tlibsycl.so.8 => not found"\nexit 0\n',
+        )
+        self.server = executable(tmp / "llama.cpp" / "llama-server", "#!/bin/sh\n")
+        models = tmp / "models"
+        models.mkdir()
+        self.gguf = models / "m.gguf"
+        self.gguf.write_bytes(gguf_bytes(GGUF))
+        snapshot = tmp / "hf" / "hub" / "models--org--tp-model" / "snapshots" / "abc123"
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text("{}")
+        self.safetensors = snapshot / "model-00001-of-00001.safetensors"
+        self.safetensors.write_bytes(safetensors_bytes())
+        self.config_path = tmp / "appliance.toml"
+        self.text = f"""
+default_runtime = "tp"
+b70ctl = "/opt/b70/bin/b70ctl"
+docker = "{self.docker}"
+[gpu]
+cards = "auto"
+[runtimes.tp]
+cards = [0, 1]
+engine = "vllm"
+model = "org/tp-model"
+launcher = "docker"
+image = "ghcr.io/x/vllm:1"
+volumes = ["{tmp / "hf"}:/root/.cache/huggingface"]
+args = ["--cpu-offload-gb", "4"]
+[runtimes.llamacpp]
+engine = "llamacpp"
+command = ["{self.server}"]
+model = "{self.gguf}"
+user = "b70"
+cards = [1]
+"""
+
+    def write(self, rel: str, text: str) -> None:
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def run(self, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
+        self.config_path.write_text(self.text)
+        environ = dict(os.environ, PATH=f"{self.bin}:{os.environ['PATH']}", **env)
+        return subprocess.run(
+            [B70CTL, "--config", str(self.config_path), "doctor", "--root", str(self.root), *extra],
+            capture_output=True,
+            text=True,
+            env=environ,
+            timeout=60,
+        )
+
+    def checks(self, **env: str) -> dict[str, list[dict[str, object]]]:
+        out = self.run("--json", **env)
+        doc = json.loads(out.stdout)  # one document, in the --json envelope
+        assert set(doc) == {"version", "ok", "result" if doc["ok"] else "error"}
+        found = doc["result"]["checks"] if doc["ok"] else doc["error"]["details"]["checks"]
+        assert (out.returncode == 0) == doc["ok"] == all(c["ok"] for c in found)
+        by_name: dict[str, list[dict[str, object]]] = {}
+        for c in found:
+            by_name.setdefault(str(c["name"]), []).append(c)
+        return by_name
+
+    def failed(self, **env: str) -> dict[str, list[dict[str, object]]]:
+        return {
+            n: [c for c in cs if not c["ok"]]
+            for n, cs in self.checks(**env).items()
+            if any(not c["ok"] for c in cs)
+        }
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Host:
+    return Host(tmp_path)
+
+
+def test_a_healthy_host_passes_every_check(host: Host) -> None:
+    checks = host.checks()
+    assert all(c["ok"] for cs in checks.values() for c in cs), checks
+    assert set(checks) == {
+        "cards",
+        "xe driver",
+        "kernel",
+        "render group",
+        "/dev/dri/by-path",
+        "CAP_PERFMON",
+        "llamacpp: libraries",
+        "llamacpp: model",
+        "tp: docker",
+        "tp: image",
+        "tp: model",
+        "tp: host memory",
+    }
+    assert len(checks["xe driver"]) == 2
+    calls = host.calls.read_text()
+    assert "image inspect --format {{.Id}} ghcr.io/x/vllm:1" in calls
+    assert f"ldd {host.server}" in calls
+    text = host.run()
+    assert text.returncode == 0 and "FAIL" not in text.stdout
+
+
+def one_failure(host: Host, name: str, **env: str) -> dict[str, object]:
+    failed = host.failed(**env)
+    assert list(failed) == [name], failed
+    assert len(failed[name]) == 1
+    return failed[name][0]
+
+
+def test_a_card_without_xe(host: Host) -> None:
+    uevent = next(host.root.glob("sys/devices/**/0000:07:00.0/uevent"))
+    uevent.write_text(uevent.read_text().replace("DRIVER=xe", "DRIVER=i915"))
+    check = one_failure(host, "xe driver")
+    assert "0000:07:00.0: bound to i915, not xe" in str(check["detail"])
+
+
+def test_a_kernel_before_7_1_fails_only_where_a_runtime_spans_cards(host: Host) -> None:
+    host.write("proc/sys/kernel/osrelease", "6.14.0-37-generic\n")
+    check = one_failure(host, "kernel")
+    assert "tp run on several cards" in str(check["detail"]) and "7.1" in str(check["fix"])
+    host.text = host.text.replace("cards = [0, 1]", "cards = [1]").replace(
+        '["--cpu-offload-gb", "4"]', "[]"
+    )
+    assert host.checks()["kernel"][0]["ok"]
+
+
+def test_no_render_group_and_a_runtime_user_outside_it(host: Host) -> None:
+    host.write("etc/group", "root:x:0:\nrender:x:105:\n")
+    assert "b70 exist(s) but not in the render group" in str(
+        one_failure(host, "render group")["detail"]
+    )
+    host.write("etc/group", "root:x:0:\n")
+    assert "there is no render group" in str(one_failure(host, "render group")["detail"])
+
+
+def test_a_missing_by_path_link(host: Host) -> None:
+    (host.root / "dev/dri/by-path/pci-0000:07:00.0-render").unlink()
+    assert "0000:07:00.0" in str(one_failure(host, "/dev/dri/by-path")["detail"])
+
+
+def test_no_cap_perfmon(host: Host) -> None:
+    status = host.root / "proc/self/status"
+    status.write_text(status.read_text().replace(t.ROOT_CAPS, t.USER_CAPS))
+    assert "used VRAM as 0" in str(one_failure(host, "CAP_PERFMON")["detail"])
+
+
+def test_docker_that_does_not_answer_or_lacks_the_image(host: Host) -> None:
+    assert "info" in str(one_failure(host, "tp: docker", DOCKER_INFO_RC="1")["detail"])
+    check = one_failure(host, "tp: image", DOCKER_NO_IMAGE="1")
+    assert "docker pull ghcr.io/x/vllm:1" in str(check["fix"])
+    host.docker.unlink()
+    assert "is not installed" in str(one_failure(host, "tp: docker")["detail"])
+
+
+def test_models_cut_short_or_absent(host: Host) -> None:
+    data = host.gguf.read_bytes()
+    host.gguf.write_bytes(data[:-10])
+    check = one_failure(host, "llamacpp: model")
+    assert f"{len(data) - 10} of the {len(data)} bytes" in str(check["detail"])
+    host.gguf.write_bytes(data)
+    host.safetensors.write_bytes(safetensors_bytes()[:-1])
+    assert "cut short" in str(one_failure(host, "tp: model")["detail"])
+    host.safetensors.write_bytes(b"not a model")
+    assert "does not fit" in str(one_failure(host, "tp: model")["detail"])
+    host.text = host.text.replace("org/tp-model", "org/other")
+    assert "not in the Hugging Face cache" in str(one_failure(host, "tp: model")["detail"])
+
+
+def test_llama_server_libraries_that_do_not_resolve(host: Host) -> None:
+    check = one_failure(host, "llamacpp: libraries", LDD_MISSING="1")
+    assert "needs libsycl.so.8" in str(check["detail"]) and "oneAPI" in str(check["fix"])
+
+
+def test_too_little_host_memory_for_the_offload(host: Host) -> None:
+    host.write("proc/meminfo", "MemTotal:       8388608 kB\n")
+    check = one_failure(host, "tp: host memory")
+    assert "8.0 GiB in all for --cpu-offload-gb 4" in str(check["detail"])
+
+
+def test_no_b70_at_all(host: Host, tmp_path: Path) -> None:
+    host.root = t.build(tmp_path / "empty", [], [])
+    checks = host.failed()
+    assert "no B70 in sysfs" in str(checks["cards"][0]["detail"])
+
+
+def test_the_text_report_gives_each_failure_its_fix(host: Host) -> None:
+    host.write("proc/meminfo", "MemTotal:       8388608 kB\n")
+    out = host.run()
+    assert out.returncode == 1
+    assert "FAIL  tp: host memory: " in out.stdout
+    assert "      fix: lower --cpu-offload-gb, or add memory" in out.stdout
+    assert "error: 1 of 13 checks failed: tp: host memory" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"GGUF",
+        b"GGUF" + struct.pack("<I", 9),
+        b"GGML" + b"\0" * 40,
+        b"GGUF" + struct.pack("<IQQ", 3, 0, 1),
+    ],
+)
+def test_broken_gguf_headers_are_named_not_raised(tmp_path: Path, data: bytes) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(data)
+    with pytest.raises(modelfiles.BadModel):
+        modelfiles.check(path)
+
+
+def test_the_checks_read_real_model_files_exactly() -> None:
+    """The demo's models, when fetched: their headers promise exactly their sizes."""
+    cache = Path(os.environ.get("B70_CACHE", Path.home() / ".cache" / "b70"))
+    files = [*cache.glob("smollm2-gguf/*.gguf"), *cache.glob("smollm2-hf/*.safetensors")]
+    if not files:
+        pytest.skip("the demo models are not fetched (scripts/fetch-model)")
+    for path in files:
+        whole = modelfiles.check(path)
+        assert whole.expected == whole.size and whole.tensors > 100, path
+
+
+def test_offload_flag_forms() -> None:
+    assert doctor.offload_gib(["--cpu-offload-gb", "4"]) == 4
+    assert doctor.offload_gib(["--cpu-offload-gb=2.5"]) == 2.5
+    assert doctor.offload_gib(["--x"]) == 0
