@@ -6,15 +6,13 @@ import json
 import os
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from appliance import doctor, modelfiles
 from b70tools import gpu_trees as t
-
-B70CTL = str(Path(sys.executable).parent / "b70ctl")
+from tests.test_cli import _in_process
 
 
 def gguf_bytes(tensors: list[tuple[str, list[int], int, int]], alignment: int = 32) -> bytes:
@@ -64,7 +62,10 @@ class Host:
     """A healthy host: two B70s under xe, kernel 7.1, the render group, by-path links, root's
     capabilities, 64 GiB, docker that answers and has the image, the models whole."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(
+        self, tmp: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    ) -> None:
+        self.monkeypatch, self.capsys = monkeypatch, capsys
         self.root = t.healthy_host(tmp / "root", ["0000:03:00.0", "0000:07:00.0"])
         self.bin = tmp / "bin"
         self.calls = tmp / "calls"
@@ -120,15 +121,14 @@ cards = [1]
         path.write_text(text)
 
     def run(self, *extra: str, **env: str) -> subprocess.CompletedProcess[str]:
+        """b70ctl doctor, in this process (the programs it asks find the stubs on PATH)."""
         self.config_path.write_text(self.text)
-        environ = dict(os.environ, PATH=f"{self.bin}:{os.environ['PATH']}", **env)
-        return subprocess.run(
-            [B70CTL, "--config", str(self.config_path), "doctor", "--root", str(self.root), *extra],
-            capture_output=True,
-            text=True,
-            env=environ,
-            timeout=60,
-        )
+        with self.monkeypatch.context() as m:
+            m.setenv("PATH", f"{self.bin}:{os.environ['PATH']}")
+            for key, value in env.items():
+                m.setenv(key, value)
+            argv = ["--config", str(self.config_path), "doctor", "--root", str(self.root)]
+            return _in_process([*argv, *extra], m, self.capsys)
 
     def checks(self, **env: str) -> dict[str, list[dict[str, object]]]:
         out = self.run("--json", **env)
@@ -150,8 +150,10 @@ cards = [1]
 
 
 @pytest.fixture
-def host(tmp_path: Path) -> Host:
-    return Host(tmp_path)
+def host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Host:
+    return Host(tmp_path, monkeypatch, capsys)
 
 
 def test_a_healthy_host_passes_every_check(host: Host) -> None:
