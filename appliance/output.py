@@ -214,7 +214,7 @@ def render_gpu(snap: Any) -> str:
     return "\n".join(lines)
 
 
-def render_plan(p: Any) -> str:
+def render_plan(p: Any, compared: Any = None) -> str:
     mib = 1024**2
     lines = [
         f"parameters             {p.params / 1e9:.2f} B "
@@ -245,6 +245,15 @@ def render_plan(p: Any) -> str:
             f"decode step, batch {int(step['batch']):<4} {step['step_ms']:.2f} ms "
             f"({step['tokens_per_s']:.0f} tok/s, memory-bound)"
         )
+    if compared is not None:
+        lines.append(f"against the vLLM at {compared.url}:")
+        rows = [["", "PLANNED", "VLLM REPORTS", "APART"]]
+        for r in compared.rows:
+            apart = "-" if r.apart is None else f"{r.apart:+.1%}"
+            rows.append([r.what, f"{r.planned:.6g}", f"{r.reported:.6g}", apart])
+        if not compared.rows:
+            rows.append(["(vLLM reported none of the figures the plan has)", "", "", ""])
+        lines.append(table(rows))
     return "\n".join(lines)
 
 

@@ -271,3 +271,38 @@ def test_a_shape_that_cannot_be_is_named(key: str, value: int, least: int) -> No
 def test_a_size_that_cannot_be_is_refused(option: list[str], message: str) -> None:
     out = CliRunner().invoke(cli, ["plan", str(HYBRID), *option])
     assert out.exit_code == 1 and f"error: {message}" in out.stderr, out.output
+
+
+# vLLM 0.32's line, as its CPU build printed it for the demo's model (labels shortened).
+CACHE_INFO = (
+    'vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",'
+    'kv_cache_max_concurrency="22.75",kv_cache_memory_bytes="1073741824",'
+    'kv_cache_size_tokens="46592",mamba_block_size="None",num_gpu_blocks="364",'
+    'prefix_caching_hash_algo="sha256"} 1.0'
+)
+
+
+def test_the_cache_vllm_reports_is_read_from_its_info_gauge() -> None:
+    from appliance import measured
+
+    text = "# HELP vllm:cache_config_info x\n# TYPE vllm:cache_config_info gauge\n" + CACHE_INFO
+    labels = measured.cache_info(text)
+    assert labels["num_gpu_blocks"] == "364" and labels["block_size"] == "128"
+    assert measured.number(labels, "mamba_block_size") is None
+    with pytest.raises(ApplianceError, match="has no vllm:cache_config_info"):
+        measured.cache_info("llamacpp:requests_processing 0\n")
+    assert measured.max_model_len({"data": [{"id": "m", "max_model_len": 2048}]}) == 2048
+    assert measured.max_model_len({"data": []}) is None
+
+
+def test_plan_against_an_address_where_nothing_answers_is_a_clear_error(tmp_path: Path) -> None:
+    from b70tools.net import free_port
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 2, "vocab_size": 100}))  # fmt: skip
+    port = free_port()
+    out = CliRunner().invoke(cli, ["plan", str(config), "--compare", f"http://127.0.0.1:{port}"])
+    assert out.exit_code == 1 and "Traceback" not in out.output + out.stderr
+    assert f"error: http://127.0.0.1:{port}: connection refused" in out.stderr
+    assert "--compare takes a running vLLM's address" in out.stderr

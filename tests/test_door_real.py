@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from tests.conftest import (
+    HF_MODEL,
     Appliance,
     demo_config_text,
     free_port,
@@ -421,3 +422,37 @@ def test_the_proxy_rss_after_all_of_this_is_within_ten_percent(
     )
     print(f"\nproxy RSS {before_mib:.1f} MiB -> {after_mib:.1f} MiB ({per_process})")
     assert after_mib <= before_mib * 1.10, per_process
+
+
+def test_plan_compares_itself_with_the_cache_vllm_reports(
+    door_app: Appliance, serving: str
+) -> None:
+    """Given the cache vLLM measured and its block size, the plan's layout is vLLM's: the same
+    blocks and tokens, and the requests that fit within one of vLLM's own (fractional) count."""
+    base = ["plan", str(HF_MODEL / "config.json"), "--compare"]
+    url = f"http://127.0.0.1:{door_app.backend_port}"
+    first = door_app.b70ctl(*base, url, "--json")
+    if serving != "vllm":
+        assert first.returncode == 1 and "Traceback" not in first.stderr
+        assert (
+            "has no vllm:cache_config_info: not a vLLM"
+            in json.loads(first.stdout)["error"]["message"]
+        )
+        return
+    rows = {r["what"]: r for r in json.loads(first.stdout)["result"]["compared"]["rows"]}
+    cache_gib = rows["cache on each card, GiB"]["reported"]
+    block = int(rows["block size (tokens)"]["reported"])
+    second = door_app.b70ctl(
+        *base, url, "--kv-cache-gib", repr(cache_gib), "--block-align", str(block), "--json"
+    )
+    doc = json.loads(second.stdout)["result"]
+    rows = {r["what"]: r for r in doc["compared"]["rows"]}
+    assert rows["blocks"]["apart"] == 0 and rows["tokens the cache holds"]["apart"] == 0, rows
+    (fit,) = [r for w, r in rows.items() if w.startswith("requests of ")]
+    # vLLM divides the cache's tokens by the length; the plan counts whole requests and keeps the
+    # block pool's null block out.
+    assert abs(fit["planned"] - fit["reported"]) < 1, rows
+    text = door_app.b70ctl(
+        *base, url, "--kv-cache-gib", repr(cache_gib), "--block-align", str(block)
+    )
+    assert f"against the vLLM at {url}:" in text.stdout and "+0.0%" in text.stdout

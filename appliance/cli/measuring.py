@@ -86,6 +86,13 @@ from appliance.errors import ApplianceError
     "instead of the budget worked out from the utilization, weights and reserve.",
 )
 @click.option(
+    "--compare",
+    "compare_url",
+    metavar="URL",
+    help="A running vLLM (such as http://127.0.0.1:8001): put the plan beside the cache it "
+    "reports, and say how far apart they are.",
+)
+@click.option(
     "--batch",
     "batches",
     type=int,
@@ -93,7 +100,7 @@ from appliance.errors import ApplianceError
     help="Batch sizes for the decode step (default 1 and 64).",
 )
 @with_json
-def plan(ctx: Context, config_json: Path, **options: Any) -> None:
+def plan(ctx: Context, config_json: Path, compare_url: str | None, **options: Any) -> None:
     """Memory and decode speed of a model on a card, from its Hugging Face config.json.
 
     GDN state per request, KV cache per token, weights and cache per card, the requests that
@@ -105,11 +112,22 @@ def plan(ctx: Context, config_json: Path, **options: Any) -> None:
       b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --state-dtype fp16 \\
         --utilization 0.82 --tokens 1024 --cpu-offload-gib 4 --cpu-offload-params embed_tokens
       b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --cards 2
+      b70ctl plan config.json --utilization 0.9 --compare http://127.0.0.1:8001
     """
-    from appliance import capacity
+    from appliance import capacity, measured
 
     result = capacity.plan_file(config_json, options)
-    output.show(ctx.json, dataclasses.asdict(result), lambda: output.render_plan(result))
+    doc = dataclasses.asdict(result)
+    if compare_url is None:
+        output.show(ctx.json, doc, lambda: output.render_plan(result))
+        return
+    compared = measured.against(
+        compare_url, result, lambda n: capacity.plan_file(config_json, {**options, "tokens": n})
+    )
+    doc["compared"] = {**dataclasses.asdict(compared), "rows": [
+        {**dataclasses.asdict(r), "apart": r.apart} for r in compared.rows
+    ]}  # fmt: skip
+    output.show(ctx.json, doc, lambda: output.render_plan(result, compared))
 
 
 @cli.command("gate")
