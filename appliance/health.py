@@ -18,7 +18,7 @@ import psutil
 
 from appliance import run
 from appliance.errors import ApplianceError
-from appliance.runtimes import METRICS_PATH, parse_in_flight
+from appliance.runtimes import GENERATED_METRICS, METRICS_PATH, metric_sum, parse_in_flight
 
 PROXY_HEALTH_PATH = "/health/liveliness"  # /health would send a completion to every model
 
@@ -97,11 +97,19 @@ def probe(url: str, timeout_s: float = 2.0) -> Probe:
 
 def read_in_flight(base_url: str, timeout_s: float = 2.0) -> int | None:
     """Requests a runtime is running or queueing, from its /metrics; None if it cannot say."""
+    return read_work(base_url, timeout_s)[0]
+
+
+def read_work(base_url: str, timeout_s: float = 2.0) -> tuple[int | None, float | None]:
+    """From a runtime's /metrics: requests in flight, and tokens generated since it started;
+    each None where it cannot say."""
     try:
         answer = request("GET", base_url + METRICS_PATH, timeout_s)
     except NoAnswer:
-        return None
-    return parse_in_flight(answer.text) if answer.status == 200 else None
+        return None, None
+    if answer.status != 200:
+        return None, None
+    return parse_in_flight(answer.text), metric_sum(answer.text, GENERATED_METRICS)
 
 
 def health_url(base_url: str, engine: str) -> str:

@@ -32,6 +32,7 @@ LOCK_FILE = "switch.lock"
 LAST_SWITCH = "last-switch.json"
 HISTORY = "switches.jsonl"
 MONITOR_STATE = "monitor.json"
+SAMPLES = "samples.jsonl"  # the monitor's last hour (appliance.samples)
 CANARY_FILE = "canaries.json"
 RENDERED = "rendered.json"  # what install last wrote, and from what (appliance.render.stamp)
 

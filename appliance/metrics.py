@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -43,9 +43,6 @@ class Exporter(Collector):
         self.snapshot: dict[str, Any] = {}
         self.registry = CollectorRegistry()
         self.registry.register(self)
-
-    def serve(self, host: str, port: int) -> None:
-        start_http_server(port, addr=host, registry=self.registry)
 
     def update(
         self, o: Any, m: Any, units: dict[str, Any], proxy_up: bool, snap: Any, state_dir: Path

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import gpu, health, runtimes, systemd
+from appliance import gpu, health, runtimes, samples, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError, from_exception
 from appliance.files import write_atomic
@@ -66,13 +66,13 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation
             runtime, unit_state, sub_state, pid = name, st.active_state, st.sub_state, st.main_pid
     mon = config.monitor
     url = runtimes.backend_url(config)
-    healthy, detail, in_flight = False, "no runtime", None
+    healthy, detail, in_flight, generated = False, "no runtime", None, None
     if runtime is not None and unit_state == "active":
         probe = health.probe(url + "/health", timeout_s=mon.health_timeout_s)
         healthy, detail = probe.healthy, f"/health: {probe.detail}"
         if healthy and mon.probe_completion:
             healthy, detail = _probe_completion(url, config.proxy.model, mon.probe_timeout_s)
-        in_flight = health.read_in_flight(url, timeout_s=mon.health_timeout_s)
+        in_flight, generated = health.read_work(url, timeout_s=mon.health_timeout_s)
     return Observation(
         now,
         runtime,
@@ -83,6 +83,7 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation
         detail,
         switch_running(state_dir),
         in_flight,
+        generated,
     )
 
 
@@ -184,9 +185,11 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
     exporter = metrics.Exporter(config)
     m = restore(lay.state_dir)
     if not once:  # one sample serves no scrape; and the monitor's unit may hold the port
-        exporter.serve(mon.host, mon.port)
-        where = f"http://{mon.host}:{mon.port}/metrics"
-        log(f"monitoring every {mon.interval_s:g} s; metrics on {where}")
+        from appliance import statuspage
+
+        statuspage.serve(statuspage.Page(config, lay, exporter.registry), mon.host, mon.port)
+        where = f"http://{mon.host}:{mon.port}"
+        log(f"monitoring every {mon.interval_s:g} s; status page on {where}/, metrics on /metrics")
     trouble: str | None = None  # what made the last sample fail, logged once while it lasts
     while True:
         try:
@@ -226,5 +229,7 @@ def sample(
     proxy = health.probe(
         runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
     )
-    exporter.update(o, m, units, proxy.healthy, gpu.snapshot(gpu.sysroot()), lay.state_dir)
+    snap = gpu.snapshot(gpu.sysroot())
+    exporter.update(o, m, units, proxy.healthy, snap, lay.state_dir)
+    samples.append(lay.state_dir, samples.sample_of(o, exporter.snapshot["held"].now, snap))
     return save(lay.state_dir, m, o, log)

@@ -107,6 +107,7 @@ class Observation:
     detail: str
     switching: bool
     in_flight: int | None = None
+    generated: float | None = None  # tokens the runtime generated since it started
 
 
 @dataclass

@@ -14,6 +14,8 @@ METRICS_PATH = "/metrics"
 # Requests a runtime is working on, and requests it has accepted but not started, by engine.
 RUNNING_METRICS = ("vllm:num_requests_running", "llamacpp:requests_processing")
 WAITING_METRICS = ("vllm:num_requests_waiting", "llamacpp:requests_deferred")
+# Tokens generated since the runtime started (counters).
+GENERATED_METRICS = ("vllm:generation_tokens_total", "llamacpp:tokens_predicted_total")
 
 
 def metric_sum(metrics_text: str, names: tuple[str, ...]) -> float | None:

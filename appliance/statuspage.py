@@ -1,0 +1,294 @@
+"""The status page: served by the monitor on its port, beside /metrics, with no database.
+
+Routes:
+  GET  /                 the page (templates/status.html), with this process's switch token
+  GET  /status.js        its script
+  GET  /api/state?since=T  what the page shows: units and cards, the samples after T (the
+                         monitor's ring, appliance.samples), the switch history, the switch the
+                         page started and its phases so far, requests held, the journal's tail
+  POST /api/switch       {"runtime": NAME}: runs `b70ctl switch NAME`; one at a time
+  GET  /metrics          Prometheus text, as before
+
+On loopback (the default) anyone on the box may look. Served beyond loopback, every route wants
+the appliance key: `Authorization: Bearer KEY`, or the cookie `GET /?key=KEY` sets (HttpOnly,
+SameSite=Strict). A POST must also carry the page's token in X-B70-Token, as JSON, and from the
+page's own origin (Origin and Sec-Fetch-Site, where the browser sends them): another site can
+neither read the token nor send the header without a preflight this server never grants.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import secrets
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from appliance import samples, status, systemd
+from appliance.config import Config, is_loopback
+from appliance.errors import ApplianceError
+from appliance.layout import HISTORY, Layout, Scope
+from appliance.proxy import hold
+
+ASSETS = {"/": ("status.html", "text/html; charset=utf-8"),
+          "/status.js": ("status.js", "text/javascript; charset=utf-8")}  # fmt: skip
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'unsafe-inline'; "
+    "connect-src 'self'; img-src data:; frame-ancestors 'none'; form-action 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+COOKIE = "b70_key"
+HISTORY_SHOWN = 20
+JOURNAL_LINES = 15
+MAX_BODY = 4096
+
+
+@dataclass
+class Job:
+    """A switch the page started: its phases as b70ctl prints them, then how it ended."""
+
+    target: str
+    started: float
+    lines: list[str] = field(default_factory=list)
+    done: bool = False
+    ok: bool | None = None
+    error: str | None = None
+
+
+class Page:
+    def __init__(self, config: Config, lay: Layout, metrics: Any) -> None:
+        self.config, self.lay, self.metrics = config, lay, metrics
+        self.token = secrets.token_urlsafe(24)
+        self.exposed = not is_loopback(config.monitor.host)
+        self.job: Job | None = None
+        self.lock = threading.Lock()
+
+    def key(self) -> str:
+        from appliance.state import read_key
+
+        return read_key(self.lay)
+
+    # --- what the page shows ------------------------------------------------------------------
+
+    def state(self, since: float | None) -> dict[str, Any]:
+        cards = status.cards_view(self.config)
+        units = []
+        with systemd.connect(self.lay.scope) as sd:
+            for name, rt in sorted(self.config.runtimes.items()):
+                st = sd.state(rt.unit)
+                units.append({"runtime": name, "unit": rt.unit, "engine": rt.engine.value,
+                              "active": st.active_state, "sub": st.sub_state,
+                              "cards": cards.get(rt.unit)})  # fmt: skip
+        serving = [str(u["unit"]) for u in units if u["active"] == "active"]
+        journal = None
+        if serving:
+            journal = systemd.journal_excerpt(self.lay.scope, serving[0], JOURNAL_LINES)
+        counts = hold.read_counts(self.lay.state_dir)
+        with self.lock:
+            job = asdict(self.job) if self.job else None
+        return {
+            "now": time.time(),
+            "model": self.config.proxy.model,
+            "units": units,
+            "samples": samples.read(self.lay.state_dir, since),
+            "switches": history(self.lay.state_dir, HISTORY_SHOWN),
+            "switching_to": (m.target if (m := hold.read_mark(self.lay.state_dir)) else None),
+            "held_now": counts.now,
+            "held_total": counts.total,
+            "job": job,
+            "journal": journal,
+        }
+
+    # --- the switch button --------------------------------------------------------------------
+
+    def start_switch(self, name: str) -> Job:
+        self.config.runtime(name)  # a ConfigError names the runtimes there are
+        with self.lock:
+            if self.job is not None and not self.job.done:
+                raise ApplianceError(
+                    f"a switch to {self.job.target} is running", code="switch_running"
+                )
+            argv = [self.config.b70ctl] + (["--user"] if self.lay.scope is Scope.USER else [])
+            argv += ["--config", str(self.config.path), "switch", name]
+            child = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            job = self.job = Job(name, time.time())
+        threading.Thread(target=self._follow, args=(job, child), daemon=True).start()
+        return job
+
+    def _follow(self, job: Job, child: subprocess.Popen[str]) -> None:
+        assert child.stderr is not None
+        errors = []
+        for line in child.stderr:
+            line = line.rstrip("\n")
+            with self.lock:
+                job.lines.append(line)
+            if line.startswith(("error: ", "hint: ")):
+                errors.append(line)
+        code = child.wait()
+        with self.lock:
+            job.done, job.ok = True, code == 0
+            job.error = "\n".join(errors) or (None if code == 0 else f"b70ctl exited {code}")
+
+
+def history(state_dir: Path, n: int) -> list[dict[str, Any]]:
+    """The last `n` switch records, newest last."""
+    try:
+        lines = (state_dir / HISTORY).read_text().splitlines()[-n:]
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def asset(name: str) -> bytes:
+    from appliance.render import TEMPLATES
+
+    return (TEMPLATES / name).read_bytes()
+
+
+class Handler(BaseHTTPRequestHandler):
+    page: Page  # set on the class serve() makes
+    server_version = "b70-monitor"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return  # no line per request in the journal
+
+    def send(self, code: int, body: bytes, kind: str, extra: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        for key, value in {**HEADERS, "Content-Type": kind, **(extra or {})}.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def send_json(self, code: int, doc: Any) -> None:
+        self.send(code, json.dumps(doc).encode(), "application/json")
+
+    def refuse(self, code: HTTPStatus, message: str) -> None:
+        self.send_json(code, {"error": {"code": code.phrase, "message": message}})
+
+    def allowed(self, query: dict[str, list[str]]) -> bool:
+        """Beyond loopback: the key, by header, cookie, or once in the query (then a cookie)."""
+        if not self.page.exposed:
+            return True
+        key = self.page.key()
+        given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        cookie = dict(
+            part.strip().split("=", 1)
+            for part in self.headers.get("Cookie", "").split(";")
+            if "=" in part
+        ).get(COOKIE, "")
+        if any(v and hmac.compare_digest(v, key) for v in (given, cookie)):
+            return True
+        if self.path.startswith("/?") and hmac.compare_digest(query.get("key", [""])[0], key):
+            cookie_line = f"{COOKIE}={key}; HttpOnly; SameSite=Strict; Path=/"
+            self.send(HTTPStatus.SEE_OTHER, b"", "text/plain",
+                      {"Location": "/", "Set-Cookie": cookie_line})  # fmt: skip
+            return False
+        self.refuse(HTTPStatus.UNAUTHORIZED, "the status page wants the appliance key")
+        return False
+
+    def do_GET(self) -> None:
+        url = urllib.parse.urlsplit(self.path)
+        query = urllib.parse.parse_qs(url.query)
+        if not self.allowed(query):
+            return
+        try:
+            self.get(url.path, query)
+        except (ApplianceError, OSError) as e:
+            self.refuse(HTTPStatus.SERVICE_UNAVAILABLE, getattr(e, "message", str(e)))
+
+    do_HEAD = do_GET
+
+    def get(self, path: str, query: dict[str, list[str]]) -> None:
+        if path in ASSETS:
+            name, kind = ASSETS[path]
+            body = asset(name).replace(b"{{ token }}", self.page.token.encode())
+            self.send(HTTPStatus.OK, body, kind)
+        elif path == "/api/state":
+            try:
+                since = float(query["since"][0]) if "since" in query else None
+            except ValueError:
+                return self.refuse(HTTPStatus.BAD_REQUEST, "since: not a number")
+            self.send_json(HTTPStatus.OK, self.page.state(since))
+        elif path == "/metrics":
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            self.send(HTTPStatus.OK, generate_latest(self.page.metrics), CONTENT_TYPE_LATEST)
+        else:
+            self.refuse(HTTPStatus.NOT_FOUND, f"no page at {path}")
+
+    def do_POST(self) -> None:
+        if not self.allowed({}):
+            return
+        if self.path != "/api/switch":
+            return self.refuse(HTTPStatus.NOT_FOUND, f"nothing to post at {self.path}")
+        if problem := self.cross_site():
+            return self.refuse(HTTPStatus.FORBIDDEN, problem)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 < length <= MAX_BODY:
+                raise ValueError("length")
+            body = json.loads(self.rfile.read(length))
+            name = body["runtime"]
+            if not isinstance(name, str):
+                raise TypeError(name)
+        except (ValueError, KeyError, TypeError):
+            return self.refuse(HTTPStatus.BAD_REQUEST, 'send {"runtime": NAME} as JSON')
+        try:
+            job = self.page.start_switch(name)
+        except ApplianceError as e:
+            conflict = e.code == "switch_running"
+            code = HTTPStatus.CONFLICT if conflict else HTTPStatus.BAD_REQUEST
+            return self.refuse(code, e.message)
+        self.send_json(HTTPStatus.ACCEPTED, asdict(job))
+
+    def cross_site(self) -> str | None:
+        """Why this POST may have come from another site; None when it is the page's own."""
+        token = self.headers.get("X-B70-Token", "")
+        if not hmac.compare_digest(token, self.page.token):
+            return "the page's token is missing or wrong: reload the page"
+        if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
+            return "send JSON"
+        site = self.headers.get("Sec-Fetch-Site")
+        if site is not None and site not in ("same-origin", "none"):
+            return f"a request from another site ({site})"
+        origin = self.headers.get("Origin")
+        if origin is not None and origin != f"http://{self.headers.get('Host', '')}":
+            return f"a request from {origin}"
+        return None
+
+
+def serve(page: Page, host: str, port: int) -> ThreadingHTTPServer:
+    """The page's server, answering from a thread of its own."""
+    handler = type("PageHandler", (Handler,), {"page": page})
+    server_class = type(
+        "PageServer",
+        (ThreadingHTTPServer,),
+        {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET},
+    )
+    server: ThreadingHTTPServer = server_class((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="status-page", daemon=True).start()
+    return server

@@ -1,0 +1,144 @@
+"""The status page in a real browser (Debian's headless Chromium): it reads the runtime, its
+switch button switches with the phases appearing live, and its chart holds the monitor's samples.
+
+The appliance is the demo on a private user manager; its GPU is a fixture tree of one B70 whose
+used VRAM the test sets per runtime (the xe memory-region reply on the render node), so the
+chart has something to draw. Screenshots before, during and after the switch are saved under
+$B70_ARTIFACTS (default: .artifacts/ in the checkout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance.layout import SAMPLES
+from b70tools import gpu_trees as t
+from b70tools.browser import Browser, chromium, wait
+from b70tools.net import free_port
+from tests.conftest import REPO, Appliance, demo_config_text, require_real_parts, running_manager
+
+ARTIFACTS = Path(os.environ.get("B70_ARTIFACTS") or REPO / ".artifacts")
+USED = {"llamacpp": 6 * t.GIB, "vllm": 21 * t.GIB}  # what the fixture card says each one holds
+
+
+class Page:
+    def __init__(self, app: Appliance, port: int, tree: Path, card: t.Card) -> None:
+        self.app, self.url, self.tree, self.card = app, f"http://127.0.0.1:{port}/", tree, card
+
+    def hold(self, runtime: str) -> None:
+        """The card's used VRAM, as the xe driver would report it with `runtime` loaded."""
+        self.card.vram_used = USED[runtime]
+        render = self.tree / "dev" / "dri" / (self.card.render or "")
+        render.write_bytes(t.mem_regions_reply(self.card))
+
+    def samples(self) -> list[dict[str, object]]:
+        state = Path(self.app.manager.env["XDG_STATE_HOME"]) / "b70" / SAMPLES
+        return [json.loads(line) for line in state.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
+    require_real_parts()
+    if chromium() is None:
+        pytest.fail("chromium is not installed: scripts/bootstrap --test installs it (as root)")
+    root = tmp_path_factory.mktemp("page")
+    card = t.Card(t.B70, card="card1", render="renderD128")
+    tree = t.build(root / "sysroot", [card], [])
+    with running_manager(root / "manager") as manager:
+        # Every unit of this manager reads the fixture card; the monitor reads its journal.
+        manager.systemctl("set-environment", f"B70_SYSROOT={tree}",
+                          f"B70_JOURNAL_DIR={manager.env['B70_JOURNAL_DIR']}")  # fmt: skip
+        port = free_port()
+        config = root / "appliance.toml"
+        extra = f"\n[monitor]\nport = {port}\ninterval_s = 1\nprobe_completion = false\n"
+        config.write_text(demo_config_text(free_port(), free_port(), extra))
+        app = Appliance(manager, config, 0, 0)
+        pg = Page(app, port, tree, card)
+        pg.hold("llamacpp")
+        app.b70ctl("install", check=True)
+        try:
+            app.b70ctl("switch", "llamacpp", check=True)
+            yield pg
+        finally:
+            app.b70ctl("uninstall", "--purge")
+    shutil.rmtree(root, ignore_errors=True)  # after the manager's stop, which reads its files
+
+
+def serving_row(b: Browser) -> str:
+    return str(
+        b.evaluate(
+            "(document.querySelector('tr.unit[data-active=active]')||{dataset:{}}).dataset.runtime || ''"
+        )
+    )
+
+
+def test_the_page_reads_the_runtime_switches_live_and_charts_the_samples(page: Page) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with Browser() as b:
+        b.goto(page.url)
+        wait(lambda: serving_row(b) == "llamacpp", 30, "the page shows llamacpp serving")
+        b.wait_for(
+            "document.querySelectorAll('svg[data-card] polyline').length == 1", 30, "a chart"
+        )
+        b.screenshot(ARTIFACTS / "status-page-before.png")
+
+        b.evaluate("document.querySelector('button[data-switch=vllm]').click()")
+        phases = b.wait_for("document.querySelectorAll('#phases li').length >= 3 && "
+                            "[...document.querySelectorAll('#phases li')].map(l => l.textContent)",
+                            60, "the switch's phases on the page")  # fmt: skip
+        assert any("holding: new requests wait" in p for p in phases), phases
+        page.hold("vllm")  # the card fills as vLLM loads: the chart should see it rise
+        b.screenshot(ARTIFACTS / "status-page-during.png")
+        b.wait_for("document.querySelector('#job h2').textContent.startsWith('switched to vllm')",
+                   300, "the switch's end on the page")  # fmt: skip
+        final = b.evaluate("[...document.querySelectorAll('#phases li')].map(l => l.textContent)")
+        assert any("verified: vllm answers" in p for p in final), final
+        assert len(final) > len(phases), (phases, final)  # phases appeared while it ran
+        wait(lambda: serving_row(b) == "vllm", 30, "the page shows vllm serving")
+        assert page.app.json("status")["result"]["active_runtime"] == "vllm"
+
+        # The chart holds the monitor's samples: as many points as the ring has for the card,
+        # give or take the samples written since the page's last poll.
+        def drawn() -> int:
+            return int(b.evaluate(
+                "+document.querySelector('svg[data-card] polyline').dataset.samples") or 0)  # fmt: skip
+
+        wait(lambda: any(c["used"] == USED["vllm"] for s in page.samples()[-2:]
+                         for c in s["cards"]), 30, "a sample of the full card")  # fmt: skip
+        b.wait_for("document.querySelector('#switches tr.switch') !== null", 30, "the history")
+        with_card = [s for s in page.samples() if s["cards"]]
+        assert abs(drawn() - len(with_card)) <= 3, (drawn(), len(with_card))
+        levels = {c["used"] for s in with_card for c in s["cards"]}  # type: ignore[attr-defined]
+        assert {USED["llamacpp"], USED["vllm"]} <= levels
+        b.screenshot(ARTIFACTS / "status-page-after.png")
+        row = b.evaluate("document.querySelector('#switches tr.switch').textContent")
+        assert "llamacpp → vllm" in row and "ok" in row
+
+
+def test_a_switch_from_another_site_is_refused(page: Page) -> None:
+    import httpx
+
+    before = page.app.json("status")["result"]["active_runtime"]
+    html = httpx.get(page.url).text
+    token = html.split('name="b70-token" content="', 1)[1].split('"', 1)[0]
+    post = {"json": {"runtime": "llamacpp"}}
+    no_token = httpx.post(page.url + "api/switch", **post)  # type: ignore[arg-type]
+    assert no_token.status_code == 403 and "token" in no_token.json()["error"]["message"]
+    headers = {"X-B70-Token": token, "Origin": "http://evil.example"}
+    other = httpx.post(page.url + "api/switch", headers=headers, **post)  # type: ignore[arg-type]
+    assert other.status_code == 403 and "evil.example" in other.json()["error"]["message"]
+    headers = {"X-B70-Token": token, "Sec-Fetch-Site": "cross-site"}
+    other = httpx.post(page.url + "api/switch", headers=headers, **post)  # type: ignore[arg-type]
+    assert other.status_code == 403
+    form = httpx.post(page.url + "api/switch", headers={"X-B70-Token": token},
+                      data={"runtime": "llamacpp"})  # fmt: skip
+    assert form.status_code == 403 and "JSON" in form.json()["error"]["message"]
+    assert page.app.json("status")["result"]["active_runtime"] == before  # nothing moved
+    page_headers = httpx.get(page.url).headers
+    assert "frame-ancestors 'none'" in page_headers["Content-Security-Policy"]
