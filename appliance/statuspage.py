@@ -290,5 +290,7 @@ def serve(page: Page, host: str, port: int) -> ThreadingHTTPServer:
     )
     server: ThreadingHTTPServer = server_class((host, port), handler)
     server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="status-page", daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="status-page", daemon=True
+    ).start()
     return server

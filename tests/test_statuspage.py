@@ -70,7 +70,8 @@ def test_the_page_is_shut_to_those_without_the_key_when_exposed(page: tuple[str,
 def test_a_post_needs_the_pages_token_json_and_the_pages_origin(page: tuple[str, bool]) -> None:
     url, exposed = page
     auth = {"Authorization": f"Bearer {KEY}"} if exposed else {}
-    token = httpx.get(url + "/", headers=auth).text.split('content="', 2)[2].split('"', 1)[0]
+    http = httpx.Client()
+    token = http.get(url + "/", headers=auth).text.split('content="', 2)[2].split('"', 1)[0]
     switch = url + "/api/switch"
     body = {"runtime": "a"}
     cases = [
@@ -80,16 +81,17 @@ def test_a_post_needs_the_pages_token_json_and_the_pages_origin(page: tuple[str,
         ({"X-B70-Token": token, "Sec-Fetch-Site": "same-site"}, "another site"),
     ]
     for headers, why in cases:
-        out = httpx.post(switch, json=body, headers={**auth, **headers})
+        out = http.post(switch, json=body, headers={**auth, **headers})
         assert out.status_code == 403 and why in out.json()["error"]["message"], (headers, out.text)
-    form = httpx.post(switch, data=body, headers={**auth, "X-B70-Token": token})
+    form = http.post(switch, data=body, headers={**auth, "X-B70-Token": token})
     assert form.status_code == 403 and "JSON" in form.json()["error"]["message"]
-    unknown = httpx.post(switch, json={"runtime": "zz"}, headers={**auth, "X-B70-Token": token})
+    unknown = http.post(switch, json={"runtime": "zz"}, headers={**auth, "X-B70-Token": token})
     assert unknown.status_code == 400 and "no runtime named 'zz'" in unknown.text
-    bad = httpx.post(switch, content=b"[1", headers={**auth, "X-B70-Token": token,
+    bad = http.post(switch, content=b"[1", headers={**auth, "X-B70-Token": token,
                                                       "Content-Type": "application/json"})  # fmt: skip
     assert bad.status_code == 400
-    assert httpx.get(url + "/nothing", headers=auth).status_code == 404
+    assert http.get(url + "/nothing", headers=auth).status_code == 404
+    http.close()
 
 
 def test_the_ring_keeps_the_last_hour_and_drops_the_rest_in_one_rewrite(tmp_path: Path) -> None:
