@@ -21,7 +21,14 @@ from appliance.layout import SAMPLES
 from b70tools import gpu_trees as t
 from b70tools.browser import Browser, chromium, wait
 from b70tools.net import free_port
-from tests.conftest import REPO, Appliance, demo_config_text, require_real_parts, running_manager
+from tests.conftest import (
+    B70CTL,
+    REPO,
+    Appliance,
+    demo_config_text,
+    require_real_parts,
+    running_manager,
+)
 
 ARTIFACTS = Path(os.environ.get("B70_ARTIFACTS") or REPO / ".artifacts")
 USED = {"llamacpp": 6 * t.GIB, "vllm": 21 * t.GIB}  # what the fixture card says each one holds
@@ -142,3 +149,42 @@ def test_a_switch_from_another_site_is_refused(page: Page) -> None:
     assert page.app.json("status")["result"]["active_runtime"] == before  # nothing moved
     page_headers = httpx.get(page.url).headers
     assert "frame-ancestors 'none'" in page_headers["Content-Security-Policy"]
+
+
+def test_a_switch_on_a_terminal_shows_the_phase_its_time_and_the_vram(page: Page) -> None:
+    """b70ctl switch with its stderr on a pseudo-terminal draws one moving line."""
+    import pty
+    import subprocess
+    import threading
+
+    page.hold("llamacpp")
+    master, slave = pty.openpty()
+    chunks: list[bytes] = []
+
+    def read() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    env = dict(page.app.manager.env, B70_SYSROOT=str(page.tree))
+    argv = [B70CTL, "--user", "--config", str(page.app.config), "switch", "llamacpp"]
+    try:
+        out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, stderr=slave, timeout=300)
+    finally:
+        os.close(slave)
+        reader.join(10)
+        os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    assert out.returncode == 0, text
+    assert "\r\x1b[K" in text  # redrawn in place
+    loading = [f for f in text.split("\r\x1b[K") if "loading: b70-llamacpp.service" in f]
+    assert loading and any("VRAM 0000:03:00.0 6.0/32.0 GiB" in f for f in loading), loading
+    assert "  verified: llamacpp answers through port" in text  # each phase left with its time
+    assert b"llamacpp is serving" in out.stdout
