@@ -178,6 +178,7 @@ function drawSwitches() {
     row.append(cell);
     const outcome = w.ok ? "ok" : w.rolled_back ? "failed, rolled back" : "failed";
     const out = el("td", { class: w.ok ? "ok" : "bad", title: w.error || "" }, outcome);
+    if (w.error) out.append(el("div", { class: "dim" }, w.error.split("\n")[0]));
     row.append(out);
     table.append(row);
   }

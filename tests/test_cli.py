@@ -215,3 +215,19 @@ def test_an_os_error_is_an_error_not_a_traceback(
         )
     )
     assert doc["ok"] is False and doc["error"]["code"] == "os_error"
+
+
+def test_a_reader_that_leaves_gets_no_error_and_the_exit_of_sigpipe() -> None:
+    """`b70ctl render | head -1` where head has gone before b70ctl writes: no 'error: Broken
+    pipe' with a hint about free space, no traceback; the exit status a SIGPIPE would give."""
+    child = subprocess.Popen(
+        [B70CTL, "--config", str(REPO / "examples" / "b70.toml"), "render"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # before b70ctl has started, let alone written
+    err = child.stderr.read().decode()
+    assert child.wait(60) == 141, err
+    assert err == ""

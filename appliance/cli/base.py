@@ -4,6 +4,8 @@ the console script (`main`). The commands are in the modules beside this one."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -59,6 +61,11 @@ class ApplianceGroup(click.Group):
             return super().invoke(ctx)
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
+        except BrokenPipeError:
+            # The reader left (`b70ctl status | head -3`): nothing to tell it. stdout goes to
+            # /dev/null, so that flushing it at exit does not fail again; exit as SIGPIPE would.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            ctx.exit(128 + signal.SIGPIPE)
         except (Exception, KeyboardInterrupt) as exc:
             obj = ctx.obj
             if obj is not None and obj.debug:
