@@ -305,3 +305,29 @@ def test_status_names_each_runtimes_cards(tmp_path: Path, monkeypatch: pytest.Mo
     assert lines[4].split()[-1] == "-"
     monkeypatch.setenv("B70_SYSROOT", str(tmp_path / "empty"))
     assert cards_view(cfg)["b70-vision.service"] == "cards 1 (not all found)"
+
+
+def test_the_four_card_example_renders_and_verifies_on_a_four_b70_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import REPO
+    from tests.test_render import STUB_EXECUTABLES
+
+    slots = ["0000:03:00.0", "0000:07:00.0", "0000:83:00.0", "0000:87:00.0"]
+    host = t.healthy_host(tmp_path / "host", slots)
+    monkeypatch.setenv("B70_SYSROOT", str(host))
+    cfg = config.load(REPO / "examples" / "b70-4cards.toml")
+    files = render_all(cfg, layout(Scope.SYSTEM))
+    tp, vision = files["b70-vllm-tp4.service"], files["b70-llamacpp.service"]
+    start = unit_lines(tp, "ExecStart")[0]
+    assert "--tensor-parallel-size 4" in start and start.count("--device /dev/dri/") == 8
+    assert env_of(tp)["ZE_AFFINITY_MASK"] == "0,1,2,3"
+    assert env_of(vision)["ONEAPI_DEVICE_SELECTOR"] == "level_zero:3"
+    assert unit_lines(tp, "Conflicts") == ["b70-llamacpp.service"]
+    gate = unit_lines(tp, "ExecStartPre")[1]
+    assert [gate.split()[i + 1] for i, w in enumerate(gate.split()) if w == "--device"] == slots
+    assert "cards 0-3" in unit_lines(tp, "Description")[0]
+    root = verify_root(tmp_path, files)
+    assert "opt/llama.cpp/bin/llama-server" in STUB_EXECUTABLES
+    units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
+    assert analyze_verify(root, units) == ""
