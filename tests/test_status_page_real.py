@@ -58,9 +58,9 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Page]:
     card = t.Card(t.B70, card="card1", render="renderD128")
     tree = t.build(root / "sysroot", [card], [])
     with running_manager(root / "manager") as manager:
-        # Every unit of this manager reads the fixture card; the monitor reads its journal.
-        manager.systemctl("set-environment", f"B70_SYSROOT={tree}",
-                          f"B70_JOURNAL_DIR={manager.env['B70_JOURNAL_DIR']}")  # fmt: skip
+        # Every unit of this manager reads the fixture card (scripts/user-manager has told them
+        # where its journal is, as for the demo).
+        manager.systemctl("set-environment", f"B70_SYSROOT={tree}")
         port = free_port()
         config = root / "appliance.toml"
         extra = f"\n[monitor]\nport = {port}\ninterval_s = 1\nprobe_completion = false\n"
@@ -109,6 +109,8 @@ def test_the_page_reads_the_runtime_switches_live_and_charts_the_samples(page: P
         assert len(final) > len(phases), (phases, final)  # phases appeared while it ran
         wait(lambda: serving_row(b) == "vllm", 30, "the page shows vllm serving")
         assert page.app.json("status")["result"]["active_runtime"] == "vllm"
+        b.wait_for("document.getElementById('journal').textContent.includes('b70-vllm')", 30,
+                   "the serving runtime's journal on the page")  # fmt: skip
 
         # The chart holds the monitor's samples: as many points as the ring has for the card,
         # give or take the samples written since the page's last poll.
