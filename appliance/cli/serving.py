@@ -158,8 +158,8 @@ def monitor(ctx: Context, once: bool) -> None:
     """Watch the serving runtime: restart it when it hangs, fail over when it does not come back.
 
     Runs as b70-monitor.service. Samples backend and proxy health, a probe completion, GPU
-    memory and the runtime's metrics every [monitor] interval_s, and serves Prometheus metrics
-    on [monitor] host:port.
+    memory and the runtime's metrics every [monitor] interval_s, keeps the last hour of samples,
+    and serves the status page (/) and Prometheus metrics (/metrics) on [monitor] host:port.
 
     \b
     Example:
