@@ -18,6 +18,7 @@ import pytest
 
 from appliance import config as config_mod
 from appliance import runtimes
+from appliance.layout import MONITOR_STATE, SAMPLES
 from tests.conftest import (
     GGUF,
     LLAMA_SERVER,
@@ -166,8 +167,11 @@ def test_a_missing_image_is_refused_before_anything_changes(
 
 
 def switch_files(state: Path) -> dict[str, bytes]:
-    """The state files; not the monitor's samples, which it rewrites every few seconds."""
-    return {k: v for k, v in tree_snapshot(state).items() if not k.endswith("monitor.json")}
+    """The state files; not the monitor's own (its state and its ring of samples), which it
+    writes every few seconds."""
+    return {
+        k: v for k, v in tree_snapshot(state).items() if not k.endswith((MONITOR_STATE, SAMPLES))
+    }
 
 
 def test_a_stale_server_on_the_backend_port_is_named_and_refused(
