@@ -32,9 +32,8 @@ def vram_now() -> str | None:
     snap = gpu.snapshot(gpu.sysroot())
     parts = []
     for mem in snap.devices:
-        used = mem.used_bytes if mem.used_bytes is not None else mem.held_bytes
         total = f"{mem.total_bytes / GIB:.1f}" if mem.total_bytes else "?"
-        parts.append(f"{mem.device.pci_slot} {used / GIB:.1f}/{total} GiB")
+        parts.append(f"{mem.device.pci_slot} {mem.in_use_bytes / GIB:.1f}/{total} GiB")
     return ", ".join(parts) or None
 
 

@@ -27,11 +27,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.config.model import PCI_ORDER_ENV, SYCL_SELECTOR_ENV, VLLM_MASK_ENV
 from appliance.errors import ConfigError
-from appliance.gpu.sysfs import Device
+
+if TYPE_CHECKING:  # the GPU package is read only when a config names cards
+    from appliance.gpu.sysfs import Device
 
 AUTO = "auto"
 BY_PATH = "/dev/dri/by-path"

@@ -19,9 +19,10 @@ from appliance import placement, runtimes, sandbox
 
 if TYPE_CHECKING:
     import jinja2
+
+    from appliance.gpu.sysfs import Device
 from appliance.config import LOOPBACK_NAMES, Config, Launcher, RuntimeConfig
 from appliance.files import write_atomic
-from appliance.gpu.sysfs import Device
 from appliance.layout import (
     MONITOR_UNIT,
     PROXY_CONFIG,

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from appliance import layout
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
-from appliance.placement import Selection
+
+if TYPE_CHECKING:
+    from appliance.placement import Selection
 
 HEALTH_PATH = "/health"  # both engines: 200 only once the model is loaded
 METRICS_PATH = "/metrics"

@@ -32,7 +32,7 @@ def sample_of(o: Any, held_now: int, snap: Any) -> dict[str, Any]:
         cards.append(
             {
                 "pci": mem.device.pci_slot,
-                "used": mem.used_bytes if mem.used_bytes is not None else mem.held_bytes,
+                "used": mem.in_use_bytes,
                 "total": mem.total_bytes,
                 "units": units,
             }

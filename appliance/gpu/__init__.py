@@ -44,11 +44,15 @@ class DeviceMemory:
         return sum(b for _, b in self.holders)
 
     @property
+    def in_use_bytes(self) -> int:
+        """Used, as the driver reports it; where it cannot, what the processes hold."""
+        return self.used_bytes if self.used_bytes is not None else self.held_bytes
+
+    @property
     def free_bytes(self) -> int | None:
         if self.total_bytes is None:
             return None
-        used = self.used_bytes if self.used_bytes is not None else self.held_bytes
-        return max(self.total_bytes - used, 0)
+        return max(self.total_bytes - self.in_use_bytes, 0)
 
 
 @dataclass
