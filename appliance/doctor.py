@@ -14,11 +14,11 @@ from pathlib import Path
 
 from appliance import modelfiles, placement, run
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance.config.model import GIB
 from appliance.errors import ApplianceError, ConfigError
 from appliance.gpu import xe
 from appliance.gpu.sysfs import Device, read_devices, read_text
 
-GIB = 1024**3
 # Owners running four B70s report multi-card collectives broken on kernels before 7.1.
 COLLECTIVES_KERNEL = (7, 1)
 # Host memory vLLM, the proxy and the system need besides the weights offloaded to the CPU.
@@ -107,7 +107,7 @@ def kernel_version(text: str | None) -> tuple[int, int] | None:
 def _kernel(config: Config, root: Path) -> Check:
     release = (read_text(root / "proc/sys/kernel/osrelease") or "").strip()
     version = kernel_version(release)
-    multi = sorted(n for n, rt in config.runtimes.items() if len(placement.card_indices(rt)) > 1)
+    multi = sorted(n for n, rt in config.runtimes.items() if len(rt.card_indices) > 1)
     if version is None:
         return Check("kernel", False, f"cannot read its version ({release!r})", "check /proc")
     if multi and version < COLLECTIVES_KERNEL:

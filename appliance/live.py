@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
+from appliance.config.model import GIB
+
 if TYPE_CHECKING:
     from appliance.layout import Scope
 
@@ -22,7 +24,6 @@ REDRAW_S = 0.2
 LOOK_S = 1.0  # how often the VRAM and the journal are read again
 SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"
 UNIT = re.compile(r"b70-[a-z0-9-]+\.service")
-GIB = 1024**3
 
 
 def vram_now() -> str | None:

@@ -14,10 +14,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from appliance.config.model import GIB
 from appliance.errors import ApplianceError
 
 INFO = "vllm:cache_config_info"
-GIB = 1024**3
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 

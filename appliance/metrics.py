@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,29 +11,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from appliance.config import Config
-from appliance.layout import HISTORY
 from appliance.proxy import hold
+from appliance.state import read_history
 
 
 def switch_counts(state_dir: Path) -> tuple[int, int, dict[str, Any] | None]:
     """Switches, failed switches, and the last switch's record, from the switch records."""
-    total = failed = 0
-    last = None
-    try:
-        lines = (state_dir / HISTORY).read_text().splitlines()
-    except FileNotFoundError:
-        lines = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(record, dict):
-            continue
-        total += 1
-        failed += not record.get("ok")
-        last = record
-    return total, failed, last
+    records = read_history(state_dir)
+    failed = sum(not r.get("ok") for r in records)
+    return len(records), failed, records[-1] if records else None
 
 
 class Exporter(Collector):

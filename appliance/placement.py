@@ -67,14 +67,9 @@ def is_placed(config: Config) -> bool:
     )
 
 
-def card_indices(runtime: RuntimeConfig) -> tuple[int, ...]:
-    """The runtime's cards by index; a runtime that names none is on the first."""
-    return runtime.cards if runtime.cards is not None else (0,)
-
-
 def excludes(a: RuntimeConfig, b: RuntimeConfig) -> bool:
     """Whether two runtimes need a card in common, so that one must stop for the other."""
-    return bool(set(card_indices(a)) & set(card_indices(b)))
+    return bool(set(a.card_indices) & set(b.card_indices))
 
 
 def card_list(config: Config, devices: Sequence[Device]) -> list[Card]:
@@ -111,7 +106,7 @@ def card_list(config: Config, devices: Sequence[Device]) -> list[Card]:
 
 def cards_of(config: Config, runtime: RuntimeConfig, cards: Sequence[Card]) -> list[Card]:
     out = []
-    for i in card_indices(runtime):
+    for i in runtime.card_indices:
         if i >= len(cards):
             found = "auto found no B70" if not cards else f"it has {len(cards)} card(s)"
             raise ConfigError(

@@ -151,6 +151,23 @@ def record_switch(state_dir: Path, record: dict[str, Any]) -> str | None:
     return None
 
 
+def read_history(state_dir: Path) -> list[dict[str, Any]]:
+    """Every switch record, oldest first; lines that do not parse are skipped."""
+    try:
+        lines = (state_dir / HISTORY).read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
 def last_switch(state_dir: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((state_dir / LAST_SWITCH).read_text())

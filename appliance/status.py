@@ -74,7 +74,7 @@ def cards_view(config: Config) -> dict[str, str]:
         placed = placement.placements(config)
     except ConfigError:
         return {
-            rt.unit: f"cards {','.join(map(str, placement.card_indices(rt)))} (not all found)"
+            rt.unit: f"cards {','.join(map(str, rt.card_indices))} (not all found)"
             for rt in config.runtimes.values()
         }
     if placed is None:

@@ -29,14 +29,14 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 from appliance import samples, status, systemd
 from appliance.config import Config, is_loopback
 from appliance.errors import ApplianceError
-from appliance.layout import HISTORY, Layout, Scope
+from appliance.layout import Layout, Scope
 from appliance.proxy import hold
+from appliance.state import read_history
 
 ASSETS = {"/": ("status.html", "text/html; charset=utf-8"),
           "/status.js": ("status.js", "text/javascript; charset=utf-8")}  # fmt: skip
@@ -101,7 +101,7 @@ class Page:
             "model": self.config.proxy.model,
             "units": units,
             "samples": samples.read(self.lay.state_dir, since),
-            "switches": history(self.lay.state_dir, HISTORY_SHOWN),
+            "switches": read_history(self.lay.state_dir)[-HISTORY_SHOWN:],
             "switching_to": (m.target if (m := hold.read_mark(self.lay.state_dir)) else None),
             "held_now": counts.now,
             "held_total": counts.total,
@@ -141,23 +141,6 @@ class Page:
         with self.lock:
             job.done, job.ok = True, code == 0
             job.error = "\n".join(errors) or (None if code == 0 else f"b70ctl exited {code}")
-
-
-def history(state_dir: Path, n: int) -> list[dict[str, Any]]:
-    """The last `n` switch records, newest last."""
-    try:
-        lines = (state_dir / HISTORY).read_text().splitlines()[-n:]
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
 
 
 def asset(name: str) -> bytes:

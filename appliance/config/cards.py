@@ -28,14 +28,10 @@ class CardKeys(Walker):
         """Every two runtimes share a card. Runtimes on disjoint cards would serve at the same
         time, each on a port of its own behind its own deployment; until the proxy routes to
         several runtimes, they all listen on [backend] port and so must exclude each other."""
-
-        def cards(rt: RuntimeConfig) -> set[int]:
-            return set(rt.cards if rt.cards is not None else (0,))
-
         names = sorted(runtimes)
         for i, a in enumerate(names):
             for b in names[i + 1 :]:
-                if not cards(runtimes[a]) & cards(runtimes[b]):
+                if not set(runtimes[a].card_indices) & set(runtimes[b].card_indices):
                     raise self.fail(
                         f"runtimes.{b}.cards",
                         f"shares no card with runtimes.{a}, so both would serve at once; "

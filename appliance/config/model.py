@@ -118,6 +118,11 @@ class RuntimeConfig:
     def unit(self) -> str:
         return runtime_unit(self.name)
 
+    @property
+    def card_indices(self) -> tuple[int, ...]:
+        """Its cards by index into [gpu] cards; a runtime that names none is on the first."""
+        return self.cards if self.cards is not None else (0,)
+
 
 @dataclass(frozen=True)
 class Config:
