@@ -332,16 +332,11 @@ def render_removed(removed: list[str]) -> str:
     return "\n".join(f"removed {path}" for path in removed)
 
 
-def render_doctor(checks: list[Any]) -> str:
+def render_checks(checks: list[dict[str, Any]]) -> str:
+    """One line per check (`doctor`, `gate`), and under a failed one its fix, where it has one."""
     lines = []
     for c in checks:
-        lines.append(f"{'ok  ' if c.ok else 'FAIL'}  {c.name}: {c.detail}")
-        if c.fix and not c.ok:
-            lines.append(f"      fix: {c.fix}")
+        lines.append(f"{'ok  ' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}")
+        if c.get("fix") and not c["ok"]:
+            lines.append(f"     fix: {c['fix']}")
     return "\n".join(lines)
-
-
-def render_gate(doc: dict[str, Any]) -> str:
-    return "\n".join(
-        f"{'ok  ' if c['ok'] else 'FAIL'} {c['name']}: {c['detail']}" for c in doc["checks"]
-    )

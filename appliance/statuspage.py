@@ -18,7 +18,9 @@ neither read the token nor send the header without a preflight this server never
 
 from __future__ import annotations
 
+import functools
 import hmac
+import http.cookies
 import json
 import secrets
 import socket
@@ -143,7 +145,9 @@ class Page:
             job.error = "\n".join(errors) or (None if code == 0 else f"b70ctl exited {code}")
 
 
+@functools.cache
 def asset(name: str) -> bytes:
+    """A file of the page, read once (they ship in the package and do not change)."""
     from appliance.render import TEMPLATES
 
     return (TEMPLATES / name).read_bytes()
@@ -177,11 +181,8 @@ class Handler(BaseHTTPRequestHandler):
             return True
         key = self.page.key()
         given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        cookie = dict(
-            part.strip().split("=", 1)
-            for part in self.headers.get("Cookie", "").split(";")
-            if "=" in part
-        ).get(COOKIE, "")
+        jar = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
+        cookie = jar[COOKIE].value if COOKIE in jar else ""
         if any(v and hmac.compare_digest(v, key) for v in (given, cookie)):
             return True
         if self.path.startswith("/?") and hmac.compare_digest(query.get("key", [""])[0], key):

@@ -268,8 +268,8 @@ def test_the_text_report_gives_each_failure_its_fix(host: Host) -> None:
     host.write("proc/meminfo", "MemTotal:       8388608 kB\n")
     out = host.run()
     assert out.returncode == 1
-    assert "FAIL  tp: host memory: " in out.stdout
-    assert "      fix: lower --cpu-offload-gb, or add memory" in out.stdout
+    assert "FAIL tp: host memory: " in out.stdout
+    assert "     fix: lower --cpu-offload-gb, or add memory" in out.stdout
     assert "error: 1 of 13 checks failed: tp: host memory" in out.stderr
     assert "Traceback" not in out.stderr
 

@@ -62,10 +62,11 @@ def doctor(ctx: Context, root: Path | None) -> None:
     from appliance import doctor as doctor_mod
 
     checks = doctor_mod.doctor(ctx.config(), gpu_root(root))
+    doc = {"checks": [vars(c) for c in checks]}
     if not ctx.json:
-        output.show(False, checks, lambda: output.render_doctor(checks))
+        output.show(False, doc, lambda: output.render_checks(doc["checks"]))
     doctor_mod.require(checks)
-    output.show(ctx.json, {"checks": [vars(c) for c in checks]})
+    output.show(ctx.json, doc)
 
 
 @gpu.command("wait-free")

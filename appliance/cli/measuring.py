@@ -152,9 +152,10 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     with systemd.connect(ctx.scope) as sd:
         serving = units.require_serving(config, sd)
     result = gate.through_proxy(config, layout(ctx.scope), serving, record=record, k=k)
-    doc = {"runtime": result.runtime, "ok": result.ok, "checks": [vars(c) for c in result.checks]}
+    checks = [vars(c) for c in result.checks]
+    doc = {"runtime": result.runtime, "ok": result.ok, "checks": checks}
     if not ctx.json:
-        output.show(False, doc, lambda: output.render_gate(doc))
+        output.show(False, doc, lambda: output.render_checks(checks))
     gate.require(result)
     output.show(ctx.json, doc)
 
