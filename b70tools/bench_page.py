@@ -9,21 +9,17 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import psutil
 
 from b70tools.browser import Browser
+from b70tools.demo_appliance import demo_appliance
 from b70tools.net import free_port
 
-REPO = Path(__file__).resolve().parent.parent
-B70CTL = str(Path(sys.executable).parent / "b70ctl")
 DRAWN = "document.getElementById('age').textContent.startsWith('updated')"
 
 
@@ -34,22 +30,9 @@ def cpu_seconds(pid: int) -> float:
 
 def main() -> None:
     cache, window = sys.argv[1], float(sys.argv[2])
-    root = Path(tempfile.mkdtemp(prefix="b70-bench-page."))
-    env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
-    manager = [str(REPO / "scripts" / "user-manager")]
-    subprocess.run([*manager, "start", str(root / "mgr")], env=env, check=True)
-    for line in (root / "mgr" / "env").read_text().splitlines():
-        key, value = line.removeprefix("export ").split("=", 1)
-        env[key] = value
     port = free_port()
-    text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
-    text = text.replace("port = 8000", f"port = {free_port()}")
-    text = text.replace("port = 8001", f"port = {free_port()}")
-    config = root / "appliance.toml"
-    config.write_text(text + f"\n[monitor]\nport = {port}\n")
-    base = [B70CTL, "--user", "--config", str(config)]
-    try:
-        subprocess.run([*base, "install"], env=env, check=True, capture_output=True)
+    with demo_appliance(cache, f"\n[monitor]\nport = {port}\n", "b70-bench-page.") as demo:
+        env = demo.env
         show = ["systemctl", "--user", "show", "-p", "MainPID", "--value", "b70-monitor.service"]
         pid = int(subprocess.run(show, env=env, capture_output=True, text=True).stdout)
         time.sleep(10)  # the monitor's first samples
@@ -72,9 +55,6 @@ def main() -> None:
             open0 = cpu_seconds(pid)
             time.sleep(window)
             opened = cpu_seconds(pid) - open0
-    finally:
-        subprocess.run([*base, "uninstall", "--purge"], env=env, capture_output=True)
-        subprocess.run([*manager, "stop", str(root / "mgr")], env=env)
     print(f"first load, bytes on the wire     {statistics.median(weights):.0f} (loads: {weights})")
     ms = [round(x * 1000) for x in loads]
     print(f"until the page shows data         median {statistics.median(ms)} ms (loads: {ms})")

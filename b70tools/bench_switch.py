@@ -18,18 +18,15 @@ from __future__ import annotations
 
 import compileall
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from b70tools.net import free_port
+from b70tools.demo_appliance import demo_appliance
 
 REPO = Path(__file__).resolve().parent.parent
-B70CTL = str(Path(sys.executable).parent / "b70ctl")
 
 
 def show(env: dict[str, str], unit: str) -> dict[str, int]:
@@ -50,24 +47,9 @@ def show(env: dict[str, str], unit: str) -> dict[str, int]:
 def main() -> None:
     cache, rounds = sys.argv[1], int(sys.argv[2])
     compileall.compile_dir(REPO / "appliance", quiet=1)
-    root = Path(tempfile.mkdtemp(prefix="b70-bench."))
-    env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
-    subprocess.run(
-        [str(REPO / "scripts" / "user-manager"), "start", str(root / "mgr")], env=env, check=True
-    )
-    for line in (root / "mgr" / "env").read_text().splitlines():
-        k, v = line.removeprefix("export ").split("=", 1)
-        env[k] = v
-    text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
-    text = text.replace("port = 8000", f"port = {free_port()}").replace(
-        "port = 8001", f"port = {free_port()}"
-    )
-    cfg = root / "appliance.toml"
-    cfg.write_text(text)
-    base = [B70CTL, "--user", "--config", str(cfg)]
     rows: dict[str, list[dict[str, float]]] = {"llamacpp -> vllm": [], "vllm -> llamacpp": []}
-    try:
-        subprocess.run([*base, "install"], env=env, check=True, capture_output=True)
+    with demo_appliance(cache) as demo:
+        env, base = demo.env, demo.b70ctl
         for _ in range(rounds):
             for old, new in (("llamacpp", "vllm"), ("vllm", "llamacpp")):
                 t0 = time.monotonic()
@@ -102,9 +84,6 @@ def main() -> None:
                     f"{old:>8} -> {new:<8} " + "  ".join(f"{k} {v:6.2f} s" for k, v in row.items()),
                     flush=True,
                 )
-    finally:
-        subprocess.run([*base, "uninstall", "--purge"], env=env, capture_output=True)
-        subprocess.run([str(REPO / "scripts" / "user-manager"), "stop", str(root / "mgr")], env=env)
     print(f"\nmedians over {rounds} round(s):")
     for direction, samples in rows.items():
         med = {k: statistics.median(r[k] for r in samples) for k in samples[0]}

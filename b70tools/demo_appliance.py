@@ -1,0 +1,48 @@
+"""The demo appliance for a benchmark: installed under a private user manager, on free ports,
+with its own config and state homes; uninstalled and the manager stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from b70tools.net import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
+USER_MANAGER = str(REPO / "scripts" / "user-manager")
+
+
+@dataclass
+class Demo:
+    env: dict[str, str]  # reaches the private manager
+    b70ctl: list[str]  # b70ctl --user --config CONFIG
+
+
+@contextmanager
+def demo_appliance(cache: str, extra: str = "", prefix: str = "b70-bench.") -> Iterator[Demo]:
+    """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML."""
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
+    subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)
+    for line in (root / "mgr" / "env").read_text().splitlines():
+        key, value = line.removeprefix("export ").split("=", 1)
+        env[key] = value
+    text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
+    text = text.replace("port = 8000", f"port = {free_port()}")
+    text = text.replace("port = 8001", f"port = {free_port()}")
+    config = root / "appliance.toml"
+    config.write_text(text + extra)
+    demo = Demo(env, [B70CTL, "--user", "--config", str(config)])
+    try:
+        subprocess.run([*demo.b70ctl, "install"], env=env, check=True, capture_output=True)
+        yield demo
+    finally:
+        subprocess.run([*demo.b70ctl, "uninstall", "--purge"], env=env, capture_output=True)
+        subprocess.run([USER_MANAGER, "stop", str(root / "mgr")], env=env)
