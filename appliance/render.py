@@ -148,8 +148,8 @@ def render_runtime_unit(
         wait_free += ["--device", device]
     wait_free += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
     pre.append([*wait_free, "--timeout", f"{config.gpu.release_timeout_s:g}"])
-    pre.append([config.b70ctl, "unit", "pre", "--port", str(config.backend.port)])
-    post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config)]
+    pre.append([config.b70ctl, "unit", "pre", "--port", str(runtime.port)])
+    post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config, runtime)]
     post += ["--engine", runtime.engine.value, "--pid", MAINPID]
     if runtime.launcher is not Launcher.NATIVE:
         engine_bin = runtimes.container_cli(config, runtime)
@@ -223,9 +223,10 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         # "Connection error" (RECIPES.md 7); a 3 s limit, under the runtimes' 5 s, still let one
         # through in 155 requests at 16 streams. A loopback connect per request costs nothing.
         "AIOHTTP_KEEPALIVE_TIMEOUT": "0",
-        # For the request hold (appliance.proxy.hook): the switch's mark, the backend, the time.
+        # For the request hold (appliance.proxy.hook): the switch's mark, the runtimes' addresses
+        # (one per port, space-separated), the time.
         "B70_STATE_DIR": str(lay.state_dir),
-        "B70_BACKEND_URL": runtimes.backend_url(config),
+        "B70_BACKEND_URL": " ".join(url for _, url in runtimes.deployments(config).values()),
         "B70_HOLD_S": f"{config.proxy.hold_s:g}",
         # For the request checks (appliance.proxy.door): the largest body taken, in bytes.
         "B70_MAX_BODY_BYTES": str(config.proxy.max_body_bytes),
@@ -272,7 +273,7 @@ def render_proxy_config(config: Config, lay: Layout) -> str:
         "litellm.yaml.j2",
         lay,
         proxy=config.proxy,
-        backend_url=runtimes.backend_url(config),
+        deployments=list(runtimes.deployments(config).values()),
     )
 
 

@@ -67,14 +67,14 @@ def stop_timeouts(runtime: RuntimeConfig) -> StopTimeouts:
 def engine_argv(config: Config, runtime: RuntimeConfig, sel: Selection | None = None) -> list[str]:
     """The engine's own arguments: model, address, served name, the cards' (tensor parallel),
     then the user's args."""
-    host, port = config.backend.host, str(config.backend.port)
+    host, port, name = config.backend.host, str(runtime.port), runtime.served_model_name
     if runtime.engine is Engine.LLAMACPP:
         argv = ["--model", runtime.model, "--host", host, "--port", port]
-        argv += ["--alias", config.proxy.model, "--metrics"]
+        argv += ["--alias", name, "--metrics"]
         if runtime.mmproj:
             argv += ["--mmproj", runtime.mmproj]
     else:
-        argv = ["--model", runtime.model, "--served-model-name", config.proxy.model]
+        argv = ["--model", runtime.model, "--served-model-name", name]
         argv += ["--host", host, "--port", port]
         argv += ["--shutdown-timeout", str(stop_timeouts(runtime).engine_s)]
     return argv + list(sel.args if sel else ()) + list(runtime.args)
@@ -126,11 +126,21 @@ def exec_stop(config: Config, runtime: RuntimeConfig) -> list[list[str]]:
     return [[engine_bin, "stop", "--time", timeout, container_name(runtime)]]
 
 
-def backend_url(config: Config) -> str:
+def backend_url(config: Config, runtime: RuntimeConfig | None = None) -> str:
+    """Where `runtime` listens; without one, [backend] port (the runtimes' port by default)."""
     host = config.backend.host
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{config.backend.port}"
+    return f"http://{host}:{runtime.port if runtime else config.backend.port}"
+
+
+def deployments(config: Config) -> dict[int, tuple[str, str]]:
+    """The proxy's deployments, one per runtime port: port -> (served name, URL). Runtimes that
+    share a port take turns on it under one name (appliance.config.cards.side_by_side)."""
+    out: dict[int, tuple[str, str]] = {}
+    for _, rt in sorted(config.runtimes.items()):
+        out.setdefault(rt.port, (rt.served_model_name, backend_url(config, rt)))
+    return dict(sorted(out.items()))
 
 
 def proxy_url(config: Config) -> str:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 from pathlib import Path
 
 import pytest
 
-from appliance import config, placement
+from appliance import config, placement, runtimes
 from appliance.errors import ConfigError
 from appliance.gpu.memgate import judge_start_all
 from appliance.gpu.sysfs import Device
@@ -182,6 +181,9 @@ def test_bad_cards_are_named_with_their_key(gpu: str, extra: str, key: str, what
     assert key in str(raised.value) and what in str(raised.value)
 
 
+TWO = '[runtimes.a]\nengine = "vllm"\nmodel = "/m"\n{a}\n[runtimes.b]\nengine = "vllm"\nmodel = "/m"\n{b}\n'
+
+
 @pytest.mark.parametrize(
     ("runtimes", "pattern"),
     [
@@ -191,15 +193,48 @@ def test_bad_cards_are_named_with_their_key(gpu: str, extra: str, key: str, what
             r"runtimes\.a\.devices\[0\]: /dev/dri would give the container cards besides",
         ),
         (
-            '[runtimes.a]\nengine = "vllm"\nmodel = "/m"\ncards = [0]\n'
-            '[runtimes.b]\nengine = "vllm"\nmodel = "/m"\ncards = [1]\n',
-            r"runtimes\.b\.cards: shares no card with runtimes\.a, so both would serve at once",
+            TWO.format(a="cards = [0]", b="cards = [1]"),
+            r"runtimes\.b\.port: 8001 is also the port of runtimes\.a, and they share no card",
+        ),
+        (
+            TWO.format(a="cards = [0]", b='cards = [0]\nserved_model_name = "other"'),
+            r"runtimes\.b\.served_model_name: 'other' on port 8001, where runtimes\.a serves",
+        ),
+        (
+            TWO.format(a="cards = [0, 1]", b="cards = [1]\nport = 8002"),
+            r"runtimes\.b\.port: .* share a card, so they take turns, and both serve 'b70'",
+        ),
+        (
+            TWO.format(a="port = 8000", b=""),
+            r"runtimes\.a\.port: 8000 is also proxy\.port",
+        ),
+        (
+            '[proxy]\naliases = ["default"]\n'
+            + TWO.format(a='served_model_name = "default"', b=""),
+            r"runtimes\.a\.served_model_name: 'default' is one of proxy\.aliases",
         ),
     ],
 )
-def test_placements_the_appliance_cannot_serve_yet_are_refused(runtimes: str, pattern: str) -> None:
+def test_runtimes_that_cannot_serve_as_placed_are_refused(runtimes: str, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):
         parse(HEAD.format(gpu="").replace('"tp"', '"a"') + runtimes)
+
+
+def test_runtimes_on_disjoint_cards_serve_side_by_side_each_on_its_port() -> None:
+    cfg = parse(
+        HEAD.format(gpu="").replace('"tp"', '"a"')
+        + TWO.format(a="cards = [0]", b='cards = [1]\nport = 8002\nserved_model_name = "vision"')
+    )
+    a, b = cfg.runtime("a"), cfg.runtime("b")
+    assert (a.port, a.served_model_name) == (8001, "b70")
+    assert (b.port, b.served_model_name) == (8002, "vision")
+    assert runtimes.deployments(cfg) == {
+        8001: ("b70", "http://127.0.0.1:8001"),
+        8002: ("vision", "http://127.0.0.1:8002"),
+    }
+    assert runtimes.engine_argv(cfg, b)[:6] == [
+        "--model", "/m", "--served-model-name", "vision", "--host", "127.0.0.1"
+    ]  # fmt: skip
 
 
 def random_assignment(rng: random.Random, names: list[str], n_cards: int) -> dict[str, tuple]:
@@ -210,21 +245,19 @@ def random_assignment(rng: random.Random, names: list[str], n_cards: int) -> dic
 def test_random_placements_conflict_exactly_where_cards_intersect(
     seed: int, tmp_path: Path
 ) -> None:
-    """Rendering is general: runtimes on disjoint cards get no Conflicts= (the reader still
-    refuses them until they can serve side by side, so these configs are built directly)."""
+    """Runtimes on random cards, each on a port of its own: Conflicts= exactly where their cards
+    intersect, After= on one side of each such pair, and systemd-analyze verify is content."""
     rng = random.Random(seed)
     engines = ["vllm", "llamacpp"]
     text = HEAD.format(gpu='cards = "auto"').replace('"tp"', '"r0"')
     names = [f"r{i}" for i in range(rng.randint(2, 5))]
-    for name in names:
-        engine = rng.choice(engines)
-        text += RUNTIME.format(engine=engine, extra=COMMAND[engine]).replace("one", name)
-    cfg = parse(text)
     cards = random_assignment(rng, names, 3)
-    cfg = dataclasses.replace(
-        cfg,
-        runtimes={n: dataclasses.replace(rt, cards=cards[n]) for n, rt in cfg.runtimes.items()},
-    )
+    for i, name in enumerate(names):
+        engine = rng.choice(engines)
+        extra = f"{COMMAND[engine]}\ncards = {list(cards[name])}\nport = {8001 + i}"
+        extra += f'\nserved_model_name = "{name}"'
+        text += RUNTIME.format(engine=engine, extra=extra).replace("one", name)
+    cfg = parse(text)
     files = render_all(cfg, layout(Scope.SYSTEM), BOX)
     for a, b in itertools.combinations(names, 2):
         ua, ub = f"b70-{a}.service", f"b70-{b}.service"

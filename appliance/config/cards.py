@@ -1,5 +1,5 @@
-"""The config's cards: `[gpu] cards` and each runtime's `cards`, and the rule that runtimes which
-cannot yet serve side by side share a card (appliance.placement uses what is read here)."""
+"""The config's cards: `[gpu] cards` and each runtime's `cards`, and the rules for runtimes that
+serve side by side (appliance.placement uses what is read here)."""
 
 from __future__ import annotations
 
@@ -24,19 +24,37 @@ MAX_CARDS = 64
 class CardKeys(Walker):
     """The keys about cards, for the reader of the whole file."""
 
-    def together(self, runtimes: Mapping[str, RuntimeConfig]) -> None:
-        """Every two runtimes share a card. Runtimes on disjoint cards would serve at the same
-        time, each on a port of its own behind its own deployment; until the proxy routes to
-        several runtimes, they all listen on [backend] port and so must exclude each other."""
+    def side_by_side(self, runtimes: Mapping[str, RuntimeConfig]) -> None:
+        """Runtimes on disjoint cards serve at the same time, so each needs a port of its own;
+        a port is one deployment behind the proxy, so it serves one name; and runtimes that take
+        turns under one name take turns on one port, or the proxy would route to the one that
+        is stopped."""
         names = sorted(runtimes)
-        for i, a in enumerate(names):
-            for b in names[i + 1 :]:
-                if not set(runtimes[a].card_indices) & set(runtimes[b].card_indices):
+        for i, a_name in enumerate(names):
+            for b_name in names[i + 1 :]:
+                a, b = runtimes[a_name], runtimes[b_name]
+                turns = bool(set(a.card_indices) & set(b.card_indices))
+                if a.port == b.port and not turns:
                     raise self.fail(
-                        f"runtimes.{b}.cards",
-                        f"shares no card with runtimes.{a}, so both would serve at once; "
-                        "runtimes serving side by side are not supported yet",
-                        "give every two runtimes a card in common (they then take turns)",
+                        f"runtimes.{b.name}.port",
+                        f"{b.port} is also the port of runtimes.{a.name}, and they share no "
+                        "card, so both would serve at once",
+                        f"give runtimes.{b.name} a port of its own, e.g. port = {b.port + 1}",
+                    )
+                if a.port == b.port and a.served_model_name != b.served_model_name:
+                    raise self.fail(
+                        f"runtimes.{b.name}.served_model_name",
+                        f"{b.served_model_name!r} on port {b.port}, where runtimes.{a.name} "
+                        f"serves {a.served_model_name!r}: one port serves one name",
+                        f"give runtimes.{b.name} a port of its own",
+                    )
+                if turns and a.served_model_name == b.served_model_name and a.port != b.port:
+                    raise self.fail(
+                        f"runtimes.{b.name}.port",
+                        f"runtimes.{a.name} and runtimes.{b.name} share a card, so they take "
+                        f"turns, and both serve {a.served_model_name!r}, but on ports {a.port} "
+                        f"and {b.port}",
+                        "runtimes that take turns under one name use one port: drop one port",
                     )
 
     def gpu_cards(self, t: Mapping[str, Any], p: str) -> str | tuple[str, ...] | None:

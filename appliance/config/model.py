@@ -113,6 +113,8 @@ class RuntimeConfig:
     restart_burst: int = 3
     memory_needed_bytes: int = 0  # on each of its cards
     cards: tuple[int, ...] | None = None  # indices into [gpu] cards; None: the first card
+    port: int = 8001  # where it listens on [backend] host; default [backend] port
+    served_model_name: str = "b70"  # the name clients ask for on the proxy; default [proxy] model
 
     @property
     def unit(self) -> str:

@@ -116,6 +116,7 @@ RUNTIME_KEYS = {
     *("engine", "launcher", "model", "command", "image", "mmproj", "env", "args"),
     *("devices", "volumes", "shm_size", "user"),
     *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib", "cards"),
+    *("port", "served_model_name"),
 }
 
 
@@ -145,6 +146,10 @@ class _Reader(CardKeys):
             name: self.runtime(name, self.table(runtimes_table, name, "runtimes."), gpu)
             for name in runtimes_table
         }
+        runtimes = {
+            name: self.served(rt, self.table(runtimes_table, name, "runtimes."), proxy, backend)
+            for name, rt in runtimes.items()
+        }
         default = self.get(data, "default_runtime", "", str)
         if default not in runtimes:
             raise self.fail(
@@ -152,9 +157,10 @@ class _Reader(CardKeys):
                 f"{default!r} is not a configured runtime",
                 "one of: " + ", ".join(sorted(runtimes)),
             )
-        self.together(runtimes)
         monitor = self.monitor(self.table(data, "monitor"), set(runtimes))
         self.listeners({"proxy": proxy, "backend": backend, "monitor": monitor})
+        self.runtime_ports(runtimes, backend.host, {"proxy": proxy, "monitor": monitor})
+        self.side_by_side(runtimes)
         return Config(
             monitor=monitor,
             path=self.path,
@@ -182,6 +188,37 @@ class _Reader(CardKeys):
                         "give each listener its own port",
                     )
             seen.append((name, section.host, section.port))
+
+    def runtime_ports(
+        self,
+        runtimes: Mapping[str, RuntimeConfig],
+        host: str,
+        sections: Mapping[str, ProxyConfig | MonitorConfig],
+    ) -> None:
+        """No runtime listens where the proxy or the monitor does."""
+        for rt in runtimes.values():
+            for name, section in sections.items():
+                if rt.port == section.port and hosts_overlap(host, section.host):
+                    raise self.fail(
+                        f"runtimes.{rt.name}.port",
+                        f"{rt.port} is also {name}.port",
+                        "give the runtime another port (runtimes.NAME.port, or [backend] port)",
+                    )
+
+    def served(
+        self, rt: RuntimeConfig, t: Mapping[str, Any], proxy: ProxyConfig, backend: BackendConfig
+    ) -> RuntimeConfig:
+        """Where a runtime listens and the name it serves: its own, else the appliance's."""
+        p = f"runtimes.{rt.name}."
+        name = self.get(t, "served_model_name", p, str, proxy.model, check_model_name)
+        if name in proxy.aliases:
+            raise self.fail(
+                p + "served_model_name",
+                f"{name!r} is one of proxy.aliases, which name {proxy.model!r}",
+                "choose a name of its own, or drop it from proxy.aliases",
+            )
+        port = self.get(t, "port", p, int, backend.port, check_port)
+        return dataclasses.replace(rt, port=port, served_model_name=name)
 
     def proxy(self, t: Mapping[str, Any]) -> ProxyConfig:
         p = "proxy."
@@ -358,8 +395,9 @@ class _Reader(CardKeys):
                 raise self.fail(
                     p + "args",
                     f"sets {flag}, which the appliance sets itself",
-                    "the port and host come from [backend], the model name from [proxy], "
-                    "the model from runtimes.NAME.model",
+                    "the port and host come from [backend] (or runtimes.NAME.port), the "
+                    "model name from [proxy] (or runtimes.NAME.served_model_name), the model "
+                    "from runtimes.NAME.model",
                 )
         return args
 
