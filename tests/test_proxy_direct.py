@@ -165,7 +165,7 @@ BACKEND = "http://127.0.0.1:8001"
 def test_a_model_goes_straight_to_the_runtime_only_when_that_is_its_one_deployment(
     deployments: list[dict[str, Any]], expected: direct.Target | None
 ) -> None:
-    assert direct.target_of(deployments, "smollm2", BACKEND) == expected
+    assert direct.target_of(deployments, "smollm2", [BACKEND]) == expected
 
 
 def test_an_alias_is_looked_up_in_the_router_and_sent_under_the_served_name(
@@ -177,7 +177,7 @@ def test_an_alias_is_looked_up_in_the_router_and_sent_under_the_served_name(
     )
     server = types.SimpleNamespace(llm_router=router)
     monkeypatch.setitem(sys.modules, "litellm.proxy.proxy_server", server)
-    target_of = mount.direct_to(BACKEND)
+    target_of = mount.direct_to([BACKEND])
     expected = direct.Target("127.0.0.1", 8001, "/v1", "smollm2")
     assert target_of("smollm2") == target_of("default") == target_of("hidden") == expected
     assert target_of("unknown") is None
@@ -187,6 +187,34 @@ def test_an_alias_is_looked_up_in_the_router_and_sent_under_the_served_name(
     assert sent == aliased | {"model": "smollm2"}
     monkeypatch.setattr(server, "llm_router", None)
     assert target_of("smollm2") is None
+
+
+def test_runtimes_side_by_side_are_each_the_one_deployment_of_their_own_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two runtimes on their own cards and ports: each name goes straight to its own runtime,
+    and the door asks and holds that runtime for it (mount.Runtimes)."""
+    other = "http://127.0.0.1:8002"
+    router = types.SimpleNamespace(
+        model_list=[
+            deployment("smollm2", "hosted_vllm/smollm2", BACKEND + "/v1"),
+            deployment("vision", "hosted_vllm/vision", other + "/v1"),
+            deployment("elsewhere", "hosted_vllm/elsewhere", "http://10.0.0.2:8000/v1"),
+        ],
+        model_group_alias={"default": "smollm2"},
+    )
+    monkeypatch.setitem(
+        sys.modules, "litellm.proxy.proxy_server", types.SimpleNamespace(llm_router=router)
+    )
+    target_of = mount.direct_to([BACKEND, other])
+    assert target_of("vision") == direct.Target("127.0.0.1", 8002, "/v1", "vision")
+    assert target_of("default") == direct.Target("127.0.0.1", 8001, "/v1", "smollm2")
+    assert target_of("elsewhere") is None
+    runtimes = mount.Runtimes([BACKEND, other])
+    assert runtimes.url_of("vision") == other
+    assert runtimes.url_of("default") == runtimes.url_of("smollm2") == BACKEND
+    assert runtimes.url_of("unknown") == runtimes.url_of(None) == BACKEND, "the first runtime's"
+    assert runtimes.backend_of("vision").url == other
 
 
 # --- the exchange ------------------------------------------------------------------------------

@@ -261,3 +261,28 @@ def test_the_fast_way_is_held_by_a_mark_but_never_waits_for_a_probe(tmp_path: Pa
     with hold.marked(tmp_path, "vllm"), pytest.raises(waiting.HoldTimeout, match="to vllm"):
         asyncio.run(g.wait(health=False))
     assert backend.asked == 0 and clock.slept
+
+
+def test_a_switch_holds_only_the_ports_it_names_and_each_port_counts_its_own(
+    tmp_path: Path,
+) -> None:
+    """Runtimes side by side: a switch of the one on port 8001 holds its requests and drains
+    its count, while requests to the runtime on port 8002 go on and are counted apart."""
+    clock = Clock()
+    switched = waiting.Gate(tmp_path, Backend(), 5, clock=clock, sleep=clock.sleep, port=8001)
+    beside = waiting.Gate(tmp_path, Backend(), 5, clock=clock, sleep=clock.sleep, port=8002)
+
+    async def requests() -> None:
+        hold.TICKET.set(going := hold.Ticket("vision"))
+        with hold.marked(tmp_path, "tp", ports=(8001,)):
+            assert await beside.wait() == 0.0, "not held: its runtime is not being switched"
+            hold.TICKET.set(hold.Ticket("tp"))
+            with pytest.raises(waiting.HoldTimeout, match="switching to tp"):
+                await switched.wait()
+        assert hold.read_open(tmp_path, 8002) == 1 and hold.read_open(tmp_path, 8001) == 0
+        going.close()
+        assert hold.read_open(tmp_path, 8002) == 0
+
+    asyncio.run(requests())
+    mark = hold.Mark(1, "tp", 0.0, "t", ports=(8001,))
+    assert mark.holds(8001) and not mark.holds(8002) and hold.Mark(1, "tp", 0.0, "t").holds(8002)

@@ -1,7 +1,8 @@
 """The fast way of a checked request when the model has one deployment: straight to the runtime.
 
-The appliance serves each model name from one runtime at a time, on the backend port that every
-runtime shares, so LiteLLM's router has nothing to choose. Its pass-through route
+The appliance serves each model name from one runtime at a time, on that name's runtime port
+(runtimes that take turns under a name share its port), so LiteLLM's router has nothing to
+choose. Its pass-through route
 (appliance.proxy.relay) still costs about 25 ms of CPU per request on a 2-core machine
 (authentication again, the router, a logging object, a task in a thread pool); a burst of 64
 requests waits for that work on each worker's event loop. Here the door sends the checked body
@@ -29,7 +30,7 @@ import asyncio
 import json
 import sys
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -84,28 +85,38 @@ class Target:
     model: str
 
 
-def target_of(
-    deployments: Iterable[Mapping[str, Any]], name: str, backend_url: str
-) -> Target | None:
-    """The runtime that serves `name`, when the router's only deployment of it is the appliance's
-    runtime (an OpenAI-compatible `hosted_vllm` deployment on the backend); None otherwise."""
-    found = [d for d in deployments if d.get("model_name") == name]
-    if len(found) != 1:
-        return None
-    params = found[0].get("litellm_params") or {}
+def origin_of(deployment: Mapping[str, Any], backend_urls: Collection[str]) -> str | None:
+    """The runtime address (one of `backend_urls`) of an OpenAI-compatible `hosted_vllm`
+    deployment, or None when it is not one of the appliance's runtimes."""
+    params = deployment.get("litellm_params") or {}
     model, api_base = params.get("model"), params.get("api_base")
     if not (isinstance(model, str) and model.startswith(PROVIDER) and isinstance(api_base, str)):
         return None
     base = urllib.parse.urlsplit(api_base.rstrip("/"))
-    if base.scheme != "http" or f"{base.scheme}://{base.netloc}" != backend_url.rstrip("/"):
+    origin = f"{base.scheme}://{base.netloc}"
+    if base.scheme != "http" or origin not in {u.rstrip("/") for u in backend_urls}:
         return None
     if base.hostname is None or base.query or base.fragment:
         return None
+    return origin
+
+
+def target_of(
+    deployments: Iterable[Mapping[str, Any]], name: str, backend_urls: Collection[str]
+) -> Target | None:
+    """The runtime that serves `name`, when the router's only deployment of it is one of the
+    appliance's runtimes (`backend_urls`); None otherwise."""
+    found = [d for d in deployments if d.get("model_name") == name]
+    if len(found) != 1 or origin_of(found[0], backend_urls) is None:
+        return None
+    params = found[0]["litellm_params"]
+    base = urllib.parse.urlsplit(params["api_base"].rstrip("/"))
     try:
         port = base.port or 80
     except ValueError:
         return None
-    return Target(base.hostname, port, base.path, model.removeprefix(PROVIDER))
+    assert base.hostname is not None  # origin_of checked it
+    return Target(base.hostname, port, base.path, params["model"].removeprefix(PROVIDER))
 
 
 def as_served(body: bytes, asked: str, target: Target) -> bytes:

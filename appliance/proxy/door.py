@@ -166,9 +166,12 @@ class Door:
         hold: Hold | None = None,
         direct_to: Direct | None = None,
         answer_layers: Callable[[ASGIApp], ASGIApp] = lambda app: app,
+        backend_of: Callable[[str], Backend | None] | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
+        # The runtime that serves a model name, where runtimes serve side by side (else backend)
+        self.backend_of = backend_of
         self.models = models
         self.key = key
         self.max_body_bytes = max_body_bytes
@@ -210,7 +213,8 @@ class Door:
         (appliance.proxy.direct or appliance.proxy.relay), or the full way through LiteLLM's
         chat or completion route, sent again if the runtime died before answering
         (appliance.proxy.relay.resend)."""
-        ticket = hold.Ticket()  # opened by the hold's gate when it lets the request through
+        # opened by the hold's gate of the model's runtime when it lets the request through
+        ticket = hold.Ticket(checked.model)
         context = hold.TICKET.set(ticket)
         token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
         try:
@@ -282,7 +286,10 @@ class Door:
         data = parse_body(body)
         if isinstance(data, Refusal):
             raise data
-        refusal = await check_request(kind, data, len(body), models, self.backend)
+        backend = self.backend
+        if self.backend_of is not None and isinstance(data.get("model"), str):
+            backend = self.backend_of(data["model"])
+        refusal = await check_request(kind, data, len(body), models, backend)
         if refusal is not None:
             raise refusal
         return Checked(body, data["model"])

@@ -37,6 +37,12 @@ class Mark:
     target: str
     since: float  # epoch seconds
     token: str
+    # The runtime ports whose requests wait: the target's and those of the runtimes it stops.
+    # Runtimes serving on other cards go on answering. None: every port (a mark without them).
+    ports: tuple[int, ...] | None = None
+
+    def holds(self, port: int | None) -> bool:
+        return self.ports is None or port is None or port in self.ports
 
 
 def _write(path: Path, text: str) -> None:
@@ -77,10 +83,10 @@ class Unwritable(Exception):
 
 
 @contextmanager
-def marked(state_dir: Path, target: str) -> Iterator[Mark]:
-    """Hold new requests at the proxy for as long as the block runs."""
+def marked(state_dir: Path, target: str, ports: tuple[int, ...] | None = None) -> Iterator[Mark]:
+    """Hold new requests to `ports` (every port: None) at the proxy while the block runs."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    mark = Mark(os.getpid(), target, time.time(), secrets.token_hex(16))
+    mark = Mark(os.getpid(), target, time.time(), secrets.token_hex(16), ports)
     record = {**mark.__dict__, "pid_start": start_time(mark.pid)}
     path = state_dir / HOLD_FILE
     try:
@@ -98,7 +104,11 @@ def read_mark(state_dir: Path) -> Mark | None:
     try:
         data = json.loads((state_dir / HOLD_FILE).read_text())
         pid = int(data["pid"])
-        mark = Mark(pid, str(data["target"]), float(data["since"]), str(data["token"]))
+        ports = data.get("ports")
+        mark = Mark(
+            pid, str(data["target"]), float(data["since"]), str(data["token"]),
+            None if ports is None else tuple(int(p) for p in ports),
+        )  # fmt: skip
     except (OSError, ValueError, KeyError, TypeError):
         return None
     started = start_time(pid)
@@ -161,7 +171,8 @@ def read_counts(state_dir: Path) -> HeldCounts:
 
 # --- what the proxy's workers let through and have not answered yet, for the drain --------------
 
-OPEN_FILE = "open"  # in HELD_DIR: one slot per worker, (pid, requests open), native int64s
+OPEN_FILE = "open"  # in HELD_DIR: one slot per worker, (pid, requests open), native int64s;
+# one file per runtime port, open-PORT (`open` where the proxy knows no port)
 SLOT = struct.Struct("=qq")
 SLOTS = 256
 _LOCK = struct.Struct("@hhqqi4x")  # struct flock: l_type, l_whence, l_start, l_len, l_pid
@@ -184,8 +195,8 @@ class OpenRequests:
     in the worker that opens and closes the file can drop them, and a forked worker does not
     share its parent's slot."""
 
-    def __init__(self, state_dir: Path) -> None:
-        self.path = state_dir / HELD_DIR / OPEN_FILE
+    def __init__(self, state_dir: Path, port: int | None = None) -> None:
+        self.path = state_dir / HELD_DIR / open_file(port)
         self.pid: int | None = None
         self.map: mmap.mmap | None = None
         self.offset = 0
@@ -224,11 +235,17 @@ class OpenRequests:
         return None
 
 
+def open_file(port: int | None) -> str:
+    return OPEN_FILE if port is None else f"{OPEN_FILE}-{port}"
+
+
 class Ticket:
     """One request's place in its worker's open count: open while it is let through to the
-    runtime, closed while it waits at the hold and when its answer has ended."""
+    runtime, closed while it waits at the hold and when its answer has ended. `model`: the
+    name it asked for, which says whose hold and count it is (appliance.proxy.hook)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model
         self.counted: OpenRequests | None = None
 
     def open(self, counts: OpenRequests) -> None:
@@ -246,11 +263,11 @@ class Ticket:
 TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("b70_ticket", default=None)
 
 
-def read_open(state_dir: Path) -> int | None:
-    """Requests the proxy's live workers let past the hold and have not answered; None when the
-    proxy does not count them (no file yet, or it cannot be read)."""
+def read_open(state_dir: Path, port: int | None = None) -> int | None:
+    """Requests to the runtime on `port` that the proxy's live workers let past the hold and
+    have not answered; None when the proxy does not count them (no file yet, or unreadable)."""
     try:
-        fd = os.open(state_dir / HELD_DIR / OPEN_FILE, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(state_dir / HELD_DIR / open_file(port), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:

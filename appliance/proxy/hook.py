@@ -9,19 +9,21 @@ only the appliance's routes exist, and bad requests are refused before LiteLLM p
 
 The proxy unit tells this module where things are through its environment:
     B70_STATE_DIR       where `b70ctl switch` writes its hold mark (appliance.proxy.hold)
-    B70_BACKEND_URL     the runtimes' shared address, whose /health is probed
+    B70_BACKEND_URL     the runtimes' addresses, one per runtime port (space-separated); each has
+                        its own hold, whose /health is probed
     B70_HOLD_S          how long a request may wait before it is answered 503
     B70_MAX_BODY_BYTES  the largest request body the door takes (default 8 MiB)
 
-A request waits while a switch is marked or while the backend is not healthy, and goes through
-as soon as neither is true. A backend that is slow to answer /health is busy, not down: only a
-refused connection or a non-200 answer holds requests.
+A request waits while a switch of its model's runtime is marked or while that runtime is not
+healthy, and goes through as soon as neither is true. A backend that is slow to answer /health
+is busy, not down: only a refused connection or a non-200 answer holds requests.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -65,30 +67,51 @@ def _request_headers(data: Mapping[str, Any]) -> Mapping[str, Any]:
 
 class HoldHook(CustomLogger):
     def __init__(
-        self, gate: Gate | None = None, backend: backend_mod.Backend | None = None
+        self,
+        gate: Gate | None = None,
+        backend: backend_mod.Backend | None = None,
+        runtimes: mount.Runtimes | None = None,
     ) -> None:
         super().__init__()
-        self._gate = gate
-        self.backend = backend  # the door's view of the runtime, to name it in errors
+        self._gate = gate  # one gate for every request (tests)
+        self.backend = backend  # the door's view of the first runtime, to name it in errors
+        self.runtimes = runtimes
+        self._gates: dict[str, Gate] = {}
 
     @property
     def gate(self) -> Gate:
-        if self._gate is None:
+        """The first runtime's gate (the only one, unless runtimes serve side by side)."""
+        return self.gate_for(None)
+
+    def gate_for(self, model: str | None) -> Gate:
+        """The hold of the runtime that serves `model`."""
+        if self._gate is not None:
+            return self._gate
+        if self.runtimes is not None:
+            return self.gate_at(self.runtimes.url_of(model))
+        return self.gate_at(os.environ["B70_BACKEND_URL"].split()[0])
+
+    def gate_at(self, url: str) -> Gate:
+        gate = self._gates.get(url)
+        if gate is None:
             env = os.environ
-            self._gate = Gate(
+            gate = self._gates[url] = Gate(
                 Path(env["B70_STATE_DIR"]),
-                health_probe(env["B70_BACKEND_URL"]),
+                health_probe(url),
                 float(env.get("B70_HOLD_S", "300")),
+                port=urllib.parse.urlsplit(url).port,
             )
-        return self._gate
+        return gate
 
     async def async_pre_call_hook(
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
     ) -> dict[str, Any]:
         headers = _request_headers(data)
         token = headers.get(hold_mark.BYPASS_HEADER)
+        model = data.get("model")
         try:
-            await self.gate.wait(token if isinstance(token, str) else None)
+            gate = self.gate_for(model if isinstance(model, str) else None)
+            await gate.wait(token if isinstance(token, str) else None)
         except HoldTimeout as e:
             # LiteLLM's own error type: every route (chat, completions, streaming or not) keeps
             # its status, headers and message as they are.
@@ -114,11 +137,17 @@ class HoldHook(CustomLogger):
         error: Any = original_exception
         message = getattr(error, "message", None)
         if isinstance(message, str) and PROVIDER_ERROR in message:
-            error.message = message.replace(PROVIDER_ERROR, self.runtime_name())
+            model = request_data.get("model")
+            error.message = message.replace(
+                PROVIDER_ERROR, self.runtime_name(model if isinstance(model, str) else None)
+            )
 
-    def runtime_name(self) -> str:
-        """The serving runtime as it last named itself to the door."""
-        facts = self.backend.known if self.backend is not None else None
+    def runtime_name(self, model: str | None = None) -> str:
+        """The runtime that serves `model` as it last named itself to the door."""
+        backend = self.backend
+        if self.runtimes is not None and model is not None:
+            backend = self.runtimes.backend_of(model)
+        facts = backend.known if backend is not None else None
         return f"the runtime ({facts.engine})" if facts is not None else "the runtime"
 
 
@@ -128,9 +157,10 @@ PROVIDER_ERROR = "Hosted_vllmException"  # LiteLLM's name for errors of the host
 async def wait_ready(limit_s: float, token: str | None) -> float | None:
     """For the door: hold a request whose runtime died until it serves again (or `limit_s`).
     `token`: the request's hold token; a switch's own verification passes its own hold."""
-    hold.gate.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
+    gate = hold.gate_for(_asked())
+    gate.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
     try:
-        return await hold.gate.wait(token, limit_s=limit_s)
+        return await gate.wait(token, limit_s=limit_s)
     except HoldTimeout:
         return None
 
@@ -140,15 +170,23 @@ async def hold_request(token: str | None) -> float:
     /health. The request's own connection says whether the runtime serves (refused, or 503
     while it loads), and the door then holds it with wait_ready; no request waits for a probe,
     nor shares its worker with one, while the runtime answers."""
-    return await hold.gate.wait(token, health=False)
+    return await hold.gate_for(_asked()).wait(token, health=False)
+
+
+def _asked() -> str | None:
+    """The model name of the request being answered (the door's ticket carries it)."""
+    ticket = hold_mark.TICKET.get()
+    return ticket.model if ticket is not None else None
 
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
-hold = HoldHook(backend=mount.install_in_proxy(wait_ready, hold_request))
-if hold.backend is not None and "B70_STATE_DIR" in os.environ:
-    # This process's slot in the open count now, so a drain before the first request reads 0
-    # from the proxy rather than falling back to the runtime's metrics.
-    hold.gate.open_requests.add(0)
+_runtimes = mount.install_in_proxy(wait_ready, hold_request)
+hold = HoldHook(backend=_runtimes.first if _runtimes else None, runtimes=_runtimes)
+if _runtimes is not None and "B70_STATE_DIR" in os.environ:
+    # This process's slot in each runtime's open count now, so a drain before the first request
+    # reads 0 from the proxy rather than falling back to the runtime's metrics.
+    for _url in _runtimes.urls:
+        hold.gate_at(_url).open_requests.add(0)
 
 
 # --- the API key --------------------------------------------------------------------------------

@@ -34,23 +34,57 @@ def router_models() -> Collection[str] | None:
     return {*names, *(getattr(router, "model_group_alias", None) or {})}
 
 
-def direct_to(backend_url: str) -> Direct:
-    """Where the router would send a model name, when it has one deployment of it and that is the
-    appliance's runtime (appliance.proxy.direct); None when the router must choose."""
+def _deployments_of(name: str) -> tuple[list[Any], str] | None:
+    """The router's deployments and the model group a name asks for (an alias: its model)."""
+    server = sys.modules.get("litellm.proxy.proxy_server")
+    router = getattr(server, "llm_router", None)
+    if router is None:
+        return None
+    group = (getattr(router, "model_group_alias", None) or {}).get(name, name)
+    if isinstance(group, dict):  # {"model": NAME, "hidden": BOOL}
+        group = group.get("model")
+    if not isinstance(group, str):
+        return None
+    return list(getattr(router, "model_list", None) or ()), group
+
+
+def direct_to(backend_urls: Collection[str]) -> Direct:
+    """Where the router would send a model name, when it has one deployment of it and that is one
+    of the appliance's runtimes (appliance.proxy.direct); None when the router must choose."""
 
     def target(name: str) -> direct.Target | None:
-        server = sys.modules.get("litellm.proxy.proxy_server")
-        router = getattr(server, "llm_router", None)
-        if router is None:
-            return None
-        group = (getattr(router, "model_group_alias", None) or {}).get(name, name)
-        if isinstance(group, dict):  # {"model": NAME, "hidden": BOOL}
-            group = group.get("model")
-        if not isinstance(group, str):
-            return None
-        return direct.target_of(getattr(router, "model_list", None) or (), group, backend_url)
+        found = _deployments_of(name)
+        return None if found is None else direct.target_of(found[0], found[1], backend_urls)
 
     return target
+
+
+class Runtimes:
+    """The appliance's runtimes as the proxy sees them: one address per runtime port
+    (B70_BACKEND_URL, space-separated), what each says about itself, and which one serves a
+    model name. Runtimes on other cards serve other names on other ports (side by side)."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+        self.backends = {url: Backend(url) for url in urls}
+
+    @property
+    def first(self) -> Backend:
+        return self.backends[self.urls[0]]
+
+    def url_of(self, model: str | None) -> str:
+        """The runtime address of the first of the name's deployments that is the appliance's;
+        the first runtime's for a name the router does not know (yet)."""
+        found = _deployments_of(model) if model else None
+        for deployment in found[0] if found else ():
+            if deployment.get("model_name") == found[1]:  # type: ignore[index]
+                url = direct.origin_of(deployment, self.urls)
+                if url is not None:
+                    return url
+        return self.urls[0]
+
+    def backend_of(self, model: str) -> Backend:
+        return self.backends[self.url_of(model)]
 
 
 # LiteLLM's middleware that only shapes an answer's headers: CORS (for browsers) and the
@@ -105,30 +139,31 @@ def install_in_proxy(
     wait_ready: WaitReady | None = None,
     hold: Hold | None = None,
     env: Mapping[str, str] = os.environ,
-) -> Backend | None:
-    """Put the door in front of the LiteLLM proxy's app, if this process runs one; its backend.
+) -> Runtimes | None:
+    """Put the door in front of the LiteLLM proxy's app, if this process runs one; its runtimes.
     `wait_ready`: the request hold, for requests sent again after the runtime died; `hold`: the
     request hold of the fast way (appliance.proxy.relay)."""
     server = sys.modules.get("litellm.proxy.proxy_server")
     app = getattr(server, "app", None)
     if app is None or not hasattr(app, "middleware_stack"):
         return None
-    url = env.get("B70_BACKEND_URL")
-    backend = Backend(url) if url else None
+    urls = env.get("B70_BACKEND_URL", "").split()
+    runtimes = Runtimes(urls) if urls else None
     limit = max_body_bytes(env)
     hold_s = hold_seconds(env)
     pass_through = env.get("B70_PASS_THROUGH", "1") != "0"
     install(
         app,
         lambda inner: Door(
-            inner, backend, router_models, max_body_bytes=limit, wait_ready=wait_ready,
-            hold_s=hold_s, hold=hold if pass_through else None,
-            direct_to=direct_to(url) if url else None, answer_layers=answer_layers(app),
+            inner, runtimes.first if runtimes else None, router_models, max_body_bytes=limit,
+            wait_ready=wait_ready, hold_s=hold_s, hold=hold if pass_through else None,
+            direct_to=direct_to(urls) if urls else None, answer_layers=answer_layers(app),
+            backend_of=runtimes.backend_of if runtimes else None,
         ),
     )  # fmt: skip
     give_large_blocks_back()
     quiet_access_log()
-    return backend
+    return runtimes
 
 
 def quiet_access_log() -> None:

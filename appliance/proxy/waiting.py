@@ -45,8 +45,10 @@ class Gate:
         hold_s: float,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] | None = None,
+        port: int | None = None,
     ) -> None:
         self.state_dir = state_dir
+        self.port = port  # the runtime port whose requests this gate holds and counts
         self.probe = probe
         self.hold_s = hold_s
         self.clock = clock
@@ -55,12 +57,14 @@ class Gate:
         self.probing: asyncio.Future[bool] | None = None  # the probe being asked, if one is
         self.counts = HeldCounts()
         self.counts_written = False
-        self.open_requests = OpenRequests(state_dir)
+        self.open_requests = OpenRequests(state_dir, port)
 
     async def blocked(self, token: str | None, health: bool = True) -> str | None:
         """Why a request must wait now, or None. `health`: False when the request's own
         connection will tell (the door's fast way holds it when the runtime does not serve)."""
         mark = read_mark(self.state_dir)
+        if mark is not None and not mark.holds(self.port):
+            mark = None  # a switch of runtimes on other cards: this one goes on serving
         if mark is not None and not (token and hmac.compare_digest(token, mark.token)):
             return f"switching to {mark.target}"
         now = self.clock()
