@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from appliance import health, runtimes, state, systemd
-from appliance.config import Config
+from appliance.config import Config, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.layout import Layout
+from appliance.placement import excludes
 from appliance.proxy import hold as hold_mark
 from appliance.state import read_key
 from appliance.units import Progress, enable_only, wait_started, wait_stopped
@@ -28,12 +29,14 @@ VERIFY_RETRY_S = 0.25
 
 
 @contextmanager
-def holding(state_dir: Path, target: str) -> Iterator[hold_mark.Mark]:
-    """New requests held at the proxy for the block; a mark that cannot be written (a full
-    file system) is refused here, before anything has changed."""
+def holding(
+    state_dir: Path, target: str, ports: tuple[int, ...] | None = None
+) -> Iterator[hold_mark.Mark]:
+    """New requests to `ports` held at the proxy for the block; a mark that cannot be written
+    (a full file system) is refused here, before anything has changed."""
     with ExitStack() as stack:
         try:
-            mark = stack.enter_context(hold_mark.marked(state_dir, target))
+            mark = stack.enter_context(hold_mark.marked(state_dir, target, ports))
         except hold_mark.Unwritable as e:
             raise ApplianceError(
                 f"cannot write the hold mark {e.path}: {e.why}; nothing was changed",
@@ -45,9 +48,14 @@ def holding(state_dir: Path, target: str) -> Iterator[hold_mark.Mark]:
 
 
 def verify_through_proxy(
-    config: Config, lay: Layout, token: str | None = None, timeout_s: float = 60
+    config: Config,
+    lay: Layout,
+    token: str | None = None,
+    timeout_s: float = 60,
+    model: str | None = None,
 ) -> str:
-    """A real completion on the proxy port; retried briefly while the proxy reconnects.
+    """A real completion on the proxy port, for `model` (default [proxy] model); retried
+    briefly while the proxy reconnects.
 
     `token` is the hold mark's: the switch's own request passes the hold it set.
     """
@@ -57,7 +65,11 @@ def verify_through_proxy(
     while True:
         try:
             return health.chat_completion(
-                runtimes.proxy_url(config), key, config.proxy.model, VERIFY_PROMPT, headers=headers
+                runtimes.proxy_url(config),
+                key,
+                model or config.proxy.model,
+                VERIFY_PROMPT,
+                headers=headers,
             )
         except ApplianceError:
             if time.monotonic() > deadline:
@@ -78,8 +90,13 @@ class SystemEdges:
     ) -> None:
         self.config, self.lay, self.sd, self.lock, self.progress = config, lay, sd, lock, progress
 
-    def hold(self, target: str) -> Any:
-        return holding(self.lay.state_dir, target)
+    def hold(self, target: str, stopping: tuple[str, ...]) -> Any:
+        """Requests to the target's port and to the ports of the runtimes it stops wait."""
+        names = (target, *stopping)
+        return holding(self.lay.state_dir, target, self.ports(*names))
+
+    def ports(self, *names: str) -> tuple[int, ...]:
+        return tuple(sorted({self.config.runtime(name).port for name in names}))
 
     def note(self, **fields: Any) -> None:
         self.lock.note(**fields)
@@ -89,10 +106,11 @@ class SystemEdges:
         up to `timeout_s`. What was still open at the end: 0 when drained, more when the time
         ran out, None when neither the proxy nor the runtime said."""
         t0, shown = time.monotonic(), None
+        rt = self.config.runtime(runtime)
         while True:
-            n = hold_mark.read_open(self.lay.state_dir)
+            n = hold_mark.read_open(self.lay.state_dir, rt.port)
             if n is None:
-                return self.drain_by_metrics(timeout_s, stop)
+                return self.drain_by_metrics(rt, timeout_s, stop)
             if n == 0 or stop():
                 return n
             if n != shown:
@@ -102,11 +120,13 @@ class SystemEdges:
                 return n
             time.sleep(DRAIN_POLL_S)
 
-    def drain_by_metrics(self, timeout_s: float, stop: Callable[[], bool]) -> int | None:
+    def drain_by_metrics(
+        self, rt: RuntimeConfig, timeout_s: float, stop: Callable[[], bool]
+    ) -> int | None:
         """The drain by the runtime's own count of requests running and waiting."""
         t0 = time.monotonic()
         time.sleep(METRICS_SETTLE_S)
-        url, empty, shown = runtimes.backend_url(self.config), 0, None
+        url, empty, shown = runtimes.backend_url(self.config, rt), 0, None
         while True:
             n = health.read_in_flight(url)
             if n is None or (n == 0 and empty >= 1) or stop():
@@ -136,12 +156,13 @@ class SystemEdges:
             wait_stopped(sd, rt.unit, runtimes.stop_timeouts(rt).unit_s + 30)
         sd.reset_failed(rt.unit)  # a manual switch is not a crash loop: clear the start limit
         sd.start(rt.unit)
-        others = [o for o in config.runtimes.values() if o.name != rt.name]
+        others = [o for o in config.runtimes.values() if o.name != rt.name and excludes(o, rt)]
         stop_budget = sum(runtimes.stop_timeouts(o).unit_s for o in others) + 30
         return wait_started(sd, rt.unit, rt.start_timeout_s + stop_budget, self.progress)
 
     def verify(self, runtime: str, token: str | None) -> str:
-        return verify_through_proxy(self.config, self.lay, token)
+        model = self.config.runtime(runtime).served_model_name
+        return verify_through_proxy(self.config, self.lay, token, model=model)
 
     def gate(self, runtime: str, token: str | None) -> None:
         from appliance import gate  # httpx: imported only when a switch runs the gates

@@ -189,7 +189,8 @@ def install(
             if sd.state(PROXY_SOCKET).active_state != "active":  # else systemd holds it for us
                 check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
             runtime_units = [rt.unit for rt in config.runtimes.values()]
-            check_port(sd, runtime_units, config.backend.port, "backend")
+            for port in sorted({rt.port for rt in config.runtimes.values()}):
+                check_port(sd, runtime_units, port, "backend")
         result = _write(config, lay, sd, files, changed, progress)
         if now:
             _start_proxy(sd, changed, result, progress)

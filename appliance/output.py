@@ -71,12 +71,17 @@ def table(rows: list[list[str]]) -> str:
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"runtime   {s['active_runtime'] or ', '.join(s['active_runtimes']) or 'none active'}"]
     placed = any(u.get("cards") for u in s["units"])
+    # Runtimes side by side: which port and name each serves
+    served = len({(u["port"], u["model"]) for u in s["units"] if u.get("port")}) > 1
     rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID", "RESTARTS"] + (["CARDS"] if placed else [])]
+    rows[0] += ["PORT", "MODEL"] if served else []
     for u in s["units"]:
         restarts = "-" if u.get("restarts") is None else str(u["restarts"])
         pid = str(u["main_pid"] or "-")
         row = [u["unit"], u["active"], u["sub"], u["enabled"] or "-", pid, restarts]
-        rows.append(row + ([u.get("cards") or "-"] if placed else []))
+        row += [u.get("cards") or "-"] if placed else []
+        row += [str(u.get("port") or "-"), u.get("model") or "-"] if served else []
+        rows.append(row)
     lines.append(table(rows))
     for key in ("backend", "proxy"):
         p = s[key]

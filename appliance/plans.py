@@ -14,6 +14,7 @@ the steps that put the previous runtime back when a start, verification or gate 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,18 @@ from typing import Any
 class Observed:
     """What the switch saw before it began."""
 
-    serving: str | None  # the runtime whose unit is active
+    serving: tuple[str, ...] = ()  # the runtimes whose units are active
+    # Each runtime's cards (indices); a runtime not named here shares a card with every other.
+    cards: Mapping[str, frozenset[int]] = field(default_factory=dict)
+
+    def take_turns(self, a: str, b: str) -> bool:
+        """Whether runtimes `a` and `b` share a card, so that one stops when the other starts."""
+        cards_a, cards_b = self.cards.get(a), self.cards.get(b)
+        return cards_a is None or cards_b is None or bool(cards_a & cards_b)
+
+    def displaced_by(self, target: str) -> tuple[str, ...]:
+        """The serving runtimes that starting `target` stops (Conflicts=): those on its cards."""
+        return tuple(s for s in self.serving if s != target and self.take_turns(s, target))
 
 
 @dataclass(frozen=True)
@@ -65,32 +77,35 @@ class Plan:
     steps: tuple[Step, ...]
     rollback: tuple[Step, ...]  # when a step in ROLLED_BACK fails
     already: bool = False  # the target serves already: nothing changes
+    # The serving runtimes the switch stops (the target itself on --restart): drained first,
+    # put back by the rollback. Runtimes on other cards are not touched.
+    stopping: tuple[str, ...] = ()
 
 
 def plan_switch(observed: Observed, target: str, options: Options) -> Plan:
     """The steps of a switch to `target`, and how to roll it back."""
-    previous = observed.serving
-    if previous == target and not options.restart:
+    serves = target in observed.serving
+    if serves and not options.restart:
         return Plan((Step(VERIFY, target), Step(ENABLE, target)), rollback=(), already=True)
+    stopping = (target,) if serves else observed.displaced_by(target)
     steps = [Step(HOLD, target)]
-    if previous is not None:
-        steps.append(Step(DRAIN, previous, seconds=options.drain_s))
+    steps += [Step(DRAIN, name, seconds=options.drain_s) for name in stopping]
     steps.append(Step(COMMIT))
-    if previous == target:  # --restart: the unit must stop before it can start again
+    if serves:  # --restart: the unit must stop before it can start again
         steps.append(Step(STOP, target))
     steps += [Step(START, target), Step(VERIFY, target)]
     if options.gate:
         steps.append(Step(GATE, target))
     steps.append(Step(ENABLE, target))
-    return Plan(tuple(steps), plan_rollback(previous, target))
+    return Plan(tuple(steps), plan_rollback(stopping, target), stopping=stopping)
 
 
-def plan_rollback(previous: str | None, target: str) -> tuple[Step, ...]:
-    """Back to the runtime that served before, started and verified the same way; with none
-    before, the target is stopped so that nothing half-started lingers."""
-    if previous is None:
+def plan_rollback(stopping: tuple[str, ...], target: str) -> tuple[Step, ...]:
+    """Back to the runtimes that served before on the target's cards, each started and verified
+    the same way; with none before, the target is stopped so that nothing half-started lingers."""
+    if not stopping:
         return (Step(STOP, target),)
-    return (Step(START, previous), Step(VERIFY, previous))
+    return tuple(step for name in stopping for step in (Step(START, name), Step(VERIFY, name)))
 
 
 # --- the monitor ------------------------------------------------------------------------------

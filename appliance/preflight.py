@@ -21,7 +21,7 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
     if sd.state(target.unit).load_state != "loaded":
         raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
     check_runtime_files(config, target)
-    check_port(sd, [rt.unit for rt in config.runtimes.values()], config.backend.port, "backend")
+    check_port(sd, [rt.unit for rt in config.runtimes.values()], target.port, "backend")
     if sd.state(PROXY_UNIT).active_state != "active":
         raise _preflight(
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",

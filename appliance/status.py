@@ -23,10 +23,23 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     active = [
         n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"
     ]
-    backend = health.probe(runtimes.backend_url(config) + "/health")
+    # Each serving runtime's port (side by side, several); none serving: the [backend] port
+    urls = [runtimes.backend_url(config, config.runtimes[n]) for n in active]
+    urls = urls or [runtimes.backend_url(config)]
+    probes = [health.probe(url + "/health") for url in urls]
+    backend = health.Probe(
+        all(p.healthy for p in probes),
+        "; ".join(
+            p.detail if len(probes) == 1 else f"{url}: {p.detail}"
+            for url, p in zip(urls, probes, strict=True)
+        ),
+    )
     proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
     foreign = backend_squatter(config, states)
     cards = cards_view(config)
+    served = {
+        rt.unit: {"port": rt.port, "model": rt.served_model_name} for rt in config.runtimes.values()
+    }
     return {
         "scope": scope.value,
         "config": str(config.path),
@@ -44,11 +57,12 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
                 "since_us": s.active_enter_us,
                 "restarts": s.n_restarts,  # systemd's own count (NRestarts)
                 "cards": cards.get(s.name),
+                **served.get(s.name, {}),
             }
             for s in states.values()
         ],
         "backend": {
-            "url": runtimes.backend_url(config),
+            "url": " ".join(urls),
             "healthy": backend.healthy and foreign is None,
             "detail": backend.detail if foreign is None else f"{backend.detail}; {foreign}",
             "foreign_listener": foreign,
@@ -83,7 +97,7 @@ def cards_view(config: Config) -> dict[str, str]:
 
 
 def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> str | None:
-    """A process on the backend port that no runtime unit started, named; None if there is none.
+    """A process on a runtime port that no runtime unit started, named; None if there is none.
 
     A container runtime serves from a process outside its unit: while one runs, nothing is named.
     """
@@ -91,13 +105,12 @@ def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> st
     if any(rt.launcher is not Launcher.NATIVE for rt in running):
         return None
     pids = [states[rt.unit].main_pid or 0 for rt in running]
-    found = health.foreign_listeners(config.backend.port, pids)
-    if not found:
-        return None
-    return (
-        f"port {config.backend.port} is held by {health.describe(found)}, "
-        "which is not part of the appliance"
-    )
+    for port in sorted({rt.port for rt in config.runtimes.values()}):
+        found = health.foreign_listeners(port, pids)
+        if found:
+            described = health.describe(found)
+            return f"port {port} is held by {described}, which is not part of the appliance"
+    return None
 
 
 def hold_view(state_dir: Path) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from appliance.layout import Scope, layout, runtime_unit
 from appliance.preflight import preflight
 from appliance.proxy.hold import Mark
 from appliance.recovery import recover_killed
-from appliance.units import SUB_STATE_PHASE, Progress, no_progress, serving_runtime
+from appliance.units import SUB_STATE_PHASE, Progress, no_progress, serving_runtimes
 
 
 class Clock(Protocol):
@@ -39,7 +39,7 @@ class SystemClock:
 class Edges(Protocol):
     """What a switch does to the world, one method per kind of step (and the record)."""
 
-    def hold(self, target: str) -> AbstractContextManager[Mark]: ...
+    def hold(self, target: str, stopping: tuple[str, ...]) -> AbstractContextManager[Mark]: ...
 
     def note(self, **fields: Any) -> None: ...  # the lock's note of the phase, for recovery
 
@@ -115,14 +115,21 @@ def switch(
         if lock.stale is not None:
             recover_killed(config, lay, sd, lock.stale, progress, wait=True)
         notes = preflight(config, lay, sd, target)
-        previous = serving_runtime(config, sd)
+        drain_for = config.proxy.drain_s if drain_s is None else drain_s
+        options = plans.Options(restart, gate, drain_for)
+        plan = plans.plan_switch(observe(config, sd), target_name, options)
+        previous = ", ".join(plan.stopping) or (target_name if plan.already else None)
         edges = SystemEdges(config, lay, sd, lock, interrupts.progress)
         run = Executor(edges, clock, interrupts, target_name, previous, config.proxy.port, t0)
         run.notes += notes
         run.phases["preflight"] = clock.monotonic() - t0
-        drain_for = config.proxy.drain_s if drain_s is None else drain_s
-        options = plans.Options(restart, gate, drain_for)
-        return run.run(plans.plan_switch(plans.Observed(previous), target_name, options))
+        return run.run(plan)
+
+
+def observe(config: Config, sd: systemd.Systemd) -> plans.Observed:
+    """What a switch plans from: the runtimes serving, and each runtime's cards."""
+    cards = {name: frozenset(rt.card_indices) for name, rt in config.runtimes.items()}
+    return plans.Observed(tuple(serving_runtimes(config, sd)), cards)
 
 
 class Executor:
@@ -150,6 +157,7 @@ class Executor:
         self.started_at: float | None = None  # the failed start's journal begins here
         self.hold = ExitStack()
         self.current: plans.Step | None = None  # the step being applied
+        self.stopping: tuple[str, ...] = ()  # the plan's: their requests are held too
 
     def result(self, ok: bool, **fields: Any) -> SwitchResult:
         seconds = self.clock.monotonic() - self.t0
@@ -162,6 +170,7 @@ class Executor:
         return self.edges.record({**result.record(self.clock.time()), "interrupted": interrupted})
 
     def run(self, plan: plans.Plan) -> SwitchResult:
+        self.stopping = plan.stopping
         if plan.already:
             self.apply(plan.steps)
             self.notes.append(f"{self.target} is already serving")
@@ -207,7 +216,7 @@ class Executor:
         edges, progress, rt = self.edges, self.progress, step.runtime or self.target
         t0 = self.clock.monotonic()
         if step.kind == plans.HOLD:
-            self.token = self.hold.enter_context(edges.hold(rt)).token
+            self.token = self.hold.enter_context(edges.hold(rt, self.stopping)).token
             edges.note(previous=self.previous, phase="hold")
             progress("holding", f"new requests wait at port {self.port}")
         elif step.kind == plans.DRAIN:
@@ -280,7 +289,8 @@ class Executor:
                 reason += "\n  no runtime was serving before, so none is serving now"
             else:
                 rolled_back = True
-                reason += f"\n  rolled back: {self.previous} is serving again"
+                are = "are" if len(self.stopping) > 1 else "is"
+                reason += f"\n  rolled back: {self.previous} {are} serving again"
         result = self.result(ok=False, rolled_back=rolled_back, error=reason, journal=journal)
         self.hold.close()
         unrecorded = self.record(result, interrupted=self.interrupts.received is not None)

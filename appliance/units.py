@@ -9,6 +9,7 @@ from collections.abc import Callable
 from appliance import health, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError
+from appliance.placement import excludes
 
 Progress = Callable[[str, str], None]
 # The waits wake when systemd signals a change, and at least this often to look anyway.
@@ -72,12 +73,20 @@ def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
     raise ApplianceError(f"{unit} did not stop within {timeout_s:.0f} s", code="stop_timeout")
 
 
+def serving_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
+    """The runtimes whose units are active (the health gate makes active mean answering): one,
+    or several side by side on their own cards."""
+    return [
+        name
+        for name, rt in sorted(config.runtimes.items())
+        if sd.state(rt.unit).active_state == "active"
+    ]
+
+
 def serving_runtime(config: Config, sd: systemd.Systemd) -> str | None:
-    """The runtime whose unit is active (the health gate makes active mean answering)."""
-    for name, rt in sorted(config.runtimes.items()):
-        if sd.state(rt.unit).active_state == "active":
-            return name
-    return None
+    """The first runtime serving, by name (the only one unless runtimes serve side by side)."""
+    serving = serving_runtimes(config, sd)
+    return serving[0] if serving else None
 
 
 def require_serving(config: Config, sd: systemd.Systemd) -> str:
@@ -111,6 +120,10 @@ def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> N
 
 
 def enable_only(config: Config, sd: systemd.Systemd, name: str) -> None:
-    """Make runtime `name` the one that starts at boot, and no other."""
-    sd.disable([rt.unit for rt in config.runtimes.values() if rt.name != name])
-    sd.enable([config.runtime(name).unit])
+    """Make runtime `name` the one that starts at boot on its cards: the runtimes that share a
+    card with it are disabled, those on other cards keep their say."""
+    target = config.runtime(name)
+    sd.disable(
+        [rt.unit for rt in config.runtimes.values() if rt.name != name and excludes(rt, target)]
+    )
+    sd.enable([target.unit])

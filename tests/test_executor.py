@@ -53,8 +53,9 @@ class Edges:
             raise ApplianceError(f"{line} failed", code="test")
 
     @contextmanager
-    def hold(self, target: str) -> Iterator[Mark]:
+    def hold(self, target: str, stopping: tuple[str, ...]) -> Iterator[Mark]:
         self.call(f"hold {target}")
+        self.held_with = stopping
         try:
             yield Mark(1, target, 0.0, TOKEN)
         finally:
@@ -105,7 +106,9 @@ def execute(
     shown: list[tuple[str, str]] = []
     interrupts = Interrupts(lambda phase, detail: shown.append((phase, detail)))
     run = Executor(fake, clock, interrupts, target, previous, 8000, clock.monotonic())
-    plan = plans.plan_switch(plans.Observed(previous), target, options or plans.Options())
+    plan = plans.plan_switch(
+        plans.Observed((previous,) if previous else ()), target, options or plans.Options()
+    )
     try:
         outcome: Any = run.run(plan)
     except ApplianceError as e:
@@ -197,6 +200,28 @@ def test_a_rollback_from_nothing_stops_the_target_without_waiting() -> None:
     assert fake.records[0]["rolled_back"] is False
 
 
+def test_a_switch_over_two_runtimes_holds_drains_and_brings_back_both() -> None:
+    """Runtimes side by side: the target needs the cards of two serving runtimes. Both are held
+    and drained; a failed start brings both back, each verified, and the one on other cards is
+    not touched."""
+    clock = Clock()
+    fake = Edges(clock, fail={"start wide"})
+    interrupts = Interrupts(lambda phase, detail: None)
+    cards = {"a": frozenset({0}), "b": frozenset({1}), "far": frozenset({5}),
+             "wide": frozenset({0, 1})}  # fmt: skip
+    plan = plans.plan_switch(plans.Observed(("a", "b", "far"), cards), "wide", plans.Options())
+    run = Executor(fake, clock, interrupts, "wide", "a, b", 8000, 0.0)
+    with pytest.raises(ApplianceError) as error:
+        run.run(plan)
+    assert fake.held_with == ("a", "b")
+    assert [c for c in fake.calls if c.split()[0] in ("drain", "start", "verify")] == [
+        "drain a 60", "drain b 60", "start wide", "start a", "verify a past the hold",
+        "start b", "verify b past the hold",
+    ]  # fmt: skip
+    assert not any("far" in c for c in fake.calls)
+    assert "rolled back: a, b are serving again" in error.value.message
+
+
 def test_a_rollback_that_fails_says_so() -> None:
     fake, error = execute("llamacpp", "vllm", fail={"start vllm", "start llamacpp"})
     assert "rolling back to llamacpp failed as well: start llamacpp failed" in error.message
@@ -230,7 +255,7 @@ def test_a_signal_during_the_drain_stops_there_and_records_it() -> None:
     interrupts = Interrupts(lambda phase, detail: None)
     run = box["run"] = Executor(fake, clock, interrupts, "vllm", "llamacpp", 8000, 0.0)
     with pytest.raises(SwitchInterrupted) as e:
-        run.run(plans.plan_switch(plans.Observed("llamacpp"), "vllm", plans.Options()))
+        run.run(plans.plan_switch(plans.Observed(("llamacpp",)), "vllm", plans.Options()))
     assert "during the drain" in e.value.message and "nothing was changed" in e.value.message
     assert not any(c.startswith(("start", "enable")) for c in fake.calls)
     assert fake.calls[-1] == "release"
@@ -247,7 +272,7 @@ def test_a_signal_after_the_commit_finishes_the_switch_then_says_so() -> None:
     fake = Edges(clock, then={"start vllm": signal})
     run = Executor(fake, clock, interrupts, "vllm", "llamacpp", 8000, 0.0)
     with pytest.raises(SwitchInterrupted) as e:
-        run.run(plans.plan_switch(plans.Observed("llamacpp"), "vllm", plans.Options()))
+        run.run(plans.plan_switch(plans.Observed(("llamacpp",)), "vllm", plans.Options()))
     assert e.value.recorded and "vllm is serving" in e.value.message
     assert fake.calls == SWITCHED
     assert fake.records[0]["ok"] is True and fake.records[0]["interrupted"] is True

@@ -59,7 +59,7 @@ def steps(plan_steps: tuple[Step, ...]) -> list[str]:
 def test_the_steps_of_a_switch_and_of_its_rollback(
     serving: str | None, target: str, options: Options, expected: list[str], rollback: list[str]
 ) -> None:
-    plan = plan_switch(Observed(serving), target, options)
+    plan = plan_switch(Observed((serving,) if serving else ()), target, options)
     assert steps(plan.steps) == expected
     assert steps(plan.rollback) == rollback
     assert plan.already == (expected == [f"verify {target}", f"enable {target}"])
@@ -67,7 +67,7 @@ def test_the_steps_of_a_switch_and_of_its_rollback(
 
 @pytest.mark.parametrize("drain_s", [0.0, 5.0, 600.0])
 def test_the_drain_waits_as_long_as_asked(drain_s: float) -> None:
-    plan = plan_switch(Observed("a"), "b", Options(drain_s=drain_s))
+    plan = plan_switch(Observed(("a",)), "b", Options(drain_s=drain_s))
     assert [s.seconds for s in plan.steps if s.kind == DRAIN] == [drain_s]
 
 
@@ -76,7 +76,7 @@ def test_nothing_changes_before_the_commit_and_everything_after_it_can_be_rolled
     come before it. Every step after it that can fail has a rollback."""
     for serving in (None, "a", "b"):
         for options in (Options(), Options(restart=True), Options(gate=True)):
-            plan = plan_switch(Observed(serving), "b", options)
+            plan = plan_switch(Observed((serving,) if serving else ()), "b", options)
             if plan.already:
                 continue
             kinds = [s.kind for s in plan.steps]
@@ -85,6 +85,45 @@ def test_nothing_changes_before_the_commit_and_everything_after_it_can_be_rolled
             assert kinds[0] == HOLD and kinds[-1] == ENABLE
             after = set(kinds[kinds.index(COMMIT) + 1 : -1])
             assert after <= {STOP, START, VERIFY, GATE} and plan.rollback
+
+
+# Four cards: tp on 0-1, vision on 2, small on 3, wide on 2-3.
+CARDS = {
+    "tp": frozenset({0, 1}),
+    "vision": frozenset({2}),
+    "small": frozenset({3}),
+    "wide": frozenset({2, 3}),
+    "one": frozenset({1}),
+}
+
+
+@pytest.mark.parametrize(
+    ("serving", "target", "expected", "rollback"),
+    [
+        # On its own cards: nothing is drained or stopped, and a failure stops only the target.
+        (("tp",), "vision", ["hold vision", "commit", "start vision", "verify vision",
+                             "enable vision"], ["stop vision"]),
+        # It needs the cards of two serving runtimes: both are drained, and both come back.
+        (("tp", "vision", "small"), "wide",
+         ["hold wide", "drain small", "drain vision", "commit", "start wide", "verify wide",
+          "enable wide"],
+         ["start small", "verify small", "start vision", "verify vision"]),
+        # Only the one on its card: the runtime on cards 2 and 3 goes on.
+        (("tp", "wide"), "one",
+         ["hold one", "drain tp", "commit", "start one", "verify one", "enable one"],
+         ["start tp", "verify tp"]),
+        # Already serving beside others.
+        (("tp", "vision"), "vision", ["verify vision", "enable vision"], []),
+    ],
+)  # fmt: skip
+def test_a_switch_stops_exactly_the_runtimes_whose_cards_it_needs(
+    serving: tuple[str, ...], target: str, expected: list[str], rollback: list[str]
+) -> None:
+    observed = Observed(tuple(sorted(serving)), CARDS)
+    plan = plan_switch(observed, target, Options())
+    assert steps(plan.steps) == expected
+    assert steps(plan.rollback) == rollback
+    assert plan.stopping == tuple(s.split()[1] for s in expected if s.startswith("drain"))
 
 
 # --- the monitor --------------------------------------------------------------------------------
