@@ -197,7 +197,7 @@ def through_proxy(
     return check(
         runtimes.proxy_url(config),
         read_key(lay),
-        config.proxy.model,
+        config.runtime(runtime).served_model_name,
         runtime,
         lay.state_dir,
         k,

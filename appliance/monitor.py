@@ -65,13 +65,15 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation
                 continue  # a failed unit that is not the chosen runtime is history, not news
             runtime, unit_state, sub_state, pid = name, st.active_state, st.sub_state, st.main_pid
     mon = config.monitor
-    url = runtimes.backend_url(config)
     healthy, detail, in_flight, generated = False, "no runtime", None, None
     if runtime is not None and unit_state == "active":
+        watched = config.runtime(runtime)
+        url = runtimes.backend_url(config, watched)
         probe = health.probe(url + "/health", timeout_s=mon.health_timeout_s)
         healthy, detail = probe.healthy, f"/health: {probe.detail}"
         if healthy and mon.probe_completion:
-            healthy, detail = _probe_completion(url, config.proxy.model, mon.probe_timeout_s)
+            model = watched.served_model_name
+            healthy, detail = _probe_completion(url, model, mon.probe_timeout_s)
         in_flight, generated = health.read_work(url, timeout_s=mon.health_timeout_s)
     return Observation(
         now,

@@ -11,13 +11,14 @@ from appliance import runtimes, state, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError
 from appliance.layout import Layout, layout
+from appliance.placement import excludes
 from appliance.proxy import hold as hold_mark
 from appliance.units import (
     LOOK_S,
     Progress,
     enable_only,
     no_progress,
-    serving_runtime,
+    serving_runtimes,
     wait_started,
 )
 
@@ -35,24 +36,32 @@ def recover_killed(
     finishing a job the killed switch started (then the trace stays for the next command).
 
     1. A runtime unit still has a job pending: with `wait`, wait for it; else come back later.
-    2. One runtime serves: it becomes the one enabled at boot.
-    3. None serves: the one enabled at boot is started (the default runtime if none is).
+    2. One runtime serves on the switch's cards: it becomes the one enabled at boot there.
+    3. None serves there: the one enabled at boot is started (the default runtime if none is).
+    Runtimes on other cards (side by side) are left as they are.
     """
-    units = {name: rt.unit for name, rt in config.runtimes.items()}
+    target = config.runtimes.get(str(trace.get("target")))
+    # The runtimes on the killed switch's cards; those on other cards were never touched.
+    group = {
+        name: rt.unit
+        for name, rt in config.runtimes.items()
+        if target is None or rt.name == target.name or excludes(rt, target)
+    }
     for rt in config.runtimes.values():
-        if not sd.state(rt.unit).job_pending:
+        if rt.name not in group or not sd.state(rt.unit).job_pending:
             continue
         if not wait:
             return None
         progress("recovering", f"waiting for systemd to finish its job on {rt.unit}")
         _wait_settled(sd, rt.unit, rt.start_timeout_s + runtimes.stop_timeouts(rt).unit_s + 30)
-    serving = serving_runtime(config, sd)
-    if serving is not None:
-        done = f"{serving} is serving; it is now the runtime enabled at boot"
-        enable_only(config, sd, serving)
+    serving = [name for name in serving_runtimes(config, sd) if name in group]
+    if serving:
+        done = f"{serving[0]} is serving; it is now the runtime enabled at boot"
+        enable_only(config, sd, serving[0])
     else:
-        enabled = [n for n, u in sorted(units.items()) if sd.state(u).unit_file_state == "enabled"]
-        name = enabled[0] if enabled else config.default_runtime
+        enabled = [n for n, u in sorted(group.items()) if sd.state(u).unit_file_state == "enabled"]
+        default = config.default_runtime if config.default_runtime in group else sorted(group)[0]
+        name = enabled[0] if enabled else default
         rt = config.runtime(name)
         progress("recovering", f"no runtime is serving: starting {rt.unit}")
         sd.reset_failed(rt.unit)
