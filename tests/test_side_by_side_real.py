@@ -1,0 +1,197 @@
+"""Runtimes side by side, for real: three CPU llama-servers under a private user manager, on a
+fixture tree with two B70s. `chat` is on card 0 and `second` on card 1, each on its own port
+under its own name; `both` needs both cards, so starting it stops them, and `broken` (a corrupt
+model) needs both too, so its failed start must bring both back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from b70tools import gpu_trees as t
+from b70tools.net import free_port
+from tests.conftest import (
+    B70CTL,
+    CACHE,
+    GGUF,
+    LLAMA_SERVER,
+    Appliance,
+    require_real_parts,
+    running_manager,
+)
+
+SLOTS = ["0000:03:00.0", "0000:07:00.0"]
+
+
+def config_text(proxy: int, chat: int, second: int, monitor: int, corrupt: Path) -> str:
+    def runtime(name: str, cards: str, port: int, model: Path = GGUF, extra: str = "") -> str:
+        return f"""
+[runtimes.{name}]
+engine = "llamacpp"
+command = ["{LLAMA_SERVER}"]
+model = "{model}"
+cards = {cards}
+port = {port}
+start_timeout_s = 120
+args = ["-c", "2048", "--parallel", "2", "--threads", "1"]
+{extra}"""
+
+    return (
+        f"""default_runtime = "chat"
+
+[proxy]
+port = {proxy}
+model = "smollm2"
+hold_s = 120
+
+[gpu]
+cards = {json.dumps(SLOTS)}
+
+[monitor]
+port = {monitor}
+probe_completion = false
+"""
+        + runtime("chat", "[0]", chat)
+        + runtime("second", "[1]", second, extra='served_model_name = "second"')
+        + runtime("both", "[0, 1]", chat)
+        + runtime("broken", "[0, 1]", chat, model=corrupt)
+    )
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    require_real_parts()
+    root = tmp_path_factory.mktemp("side")
+    # Beside the models, not under /tmp: each runtime unit has a private /tmp, and its memory
+    # gate (ExecStartPre=) reads the cards from this tree.
+    tree_root = Path(tempfile.mkdtemp(prefix="test-sysroot-", dir=CACHE))
+    tree = t.healthy_host(tree_root, SLOTS)
+    corrupt = root / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(4096))
+    with running_manager(root / "manager") as manager:
+        # The units' memory gates and b70ctl read the two fixture cards.
+        manager.systemctl("set-environment", f"B70_SYSROOT={tree}")
+        manager.env["B70_SYSROOT"] = str(tree)
+        config = root / "appliance.toml"
+        ports = [free_port() for _ in range(4)]
+        config.write_text(config_text(*ports, corrupt))
+        appliance = Appliance(manager, config, ports[0], ports[1])
+        appliance.b70ctl("install", check=True)
+        try:
+            yield appliance
+        finally:
+            appliance.b70ctl("uninstall", "--purge")
+    shutil.rmtree(root, ignore_errors=True)  # after the manager's stop, which reads its files
+    shutil.rmtree(tree_root, ignore_errors=True)
+
+
+def ask(app: Appliance, model: str, max_tokens: int = 8) -> Any:
+    return app.client().chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=max_tokens,
+        temperature=0,
+        timeout=120,
+    )
+
+
+def units(app: Appliance) -> dict[str, dict[str, Any]]:
+    status = app.json("status")["result"]
+    return {u["unit"]: u for u in status["units"]}
+
+
+def test_two_runtimes_serve_at_once_each_under_its_own_name(app: Appliance) -> None:
+    app.b70ctl("switch", "chat", check=True)
+    app.b70ctl("switch", "second", check=True)
+    status = app.json("status")["result"]
+    assert status["active_runtimes"] == ["chat", "second"]
+    seen = units(app)
+    assert seen["b70-chat.service"]["enabled"] == seen["b70-second.service"]["enabled"] == "enabled"
+    assert seen["b70-second.service"]["model"] == "second"
+    assert seen["b70-second.service"]["cards"].startswith("card 1 (0000:07:00.0")
+    for model in ("smollm2", "second"):
+        reply = ask(app, model)
+        assert reply.model == model and reply.choices[0].message.content
+    table = app.b70ctl("status", check=True).stdout
+    assert "PORT" in table and "MODEL" in table and "second" in table
+
+
+def test_a_switch_on_one_card_holds_nothing_on_the_other(app: Appliance) -> None:
+    """A stream on `second` runs through a restart of `chat`, and a new request to `second`
+    made while the switch holds `chat`'s requests is answered before the switch ends."""
+    app.b70ctl("switch", "chat", check=True)
+    app.b70ctl("switch", "second", check=True)
+    stream = app.client().chat.completions.create(
+        model="second",
+        messages=[{"role": "user", "content": "Write a long story about the sea."}],
+        max_tokens=200,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+        timeout=300,
+    )
+    chunks = iter(stream)
+    next(chunks)
+    switch = subprocess.Popen(
+        [B70CTL, "--user", "--config", str(app.config), "switch", "chat", "--restart", "--json"],
+        env=app.manager.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        hold_file = Path(app.manager.env["XDG_STATE_HOME"]) / "b70" / "hold.json"
+        deadline = time.monotonic() + 60
+        while not hold_file.exists():
+            assert time.monotonic() < deadline and switch.poll() is None, "no hold was marked"
+            time.sleep(0.02)
+        mark = json.loads(hold_file.read_text())
+        assert mark["target"] == "chat" and mark["ports"] == [app.backend_port]
+        reply = ask(app, "second", max_tokens=4)
+        held_still = hold_file.exists()
+        rest = list(chunks)
+        out, err = switch.communicate(timeout=300)
+    finally:
+        if switch.poll() is None:
+            switch.kill()
+            switch.wait()
+    assert switch.returncode == 0, err
+    assert reply.choices[0].message.content
+    assert held_still, "the answer for `second` came while `chat` was still held"
+    usage = [c.usage for c in rest if c.usage]
+    assert usage and usage[-1].completion_tokens == 200, "the stream on card 1 ran whole"
+    assert json.loads(out)["result"]["previous"] == "chat"
+
+
+def test_a_failed_switch_over_two_cards_brings_both_runtimes_back(app: Appliance) -> None:
+    app.b70ctl("switch", "chat", check=True)
+    app.b70ctl("switch", "second", check=True)
+    out = app.b70ctl("switch", "broken")
+    assert out.returncode == 1
+    assert "switch to broken failed" in out.stderr
+    assert "rolled back: chat, second are serving again" in out.stderr
+    assert app.json("status")["result"]["active_runtimes"] == ["chat", "second"]
+    assert ask(app, "smollm2").choices[0].message.content
+    assert ask(app, "second").choices[0].message.content
+
+
+def test_a_runtime_on_both_cards_stops_both_and_serves_their_shared_name(app: Appliance) -> None:
+    app.b70ctl("switch", "chat", check=True)
+    app.b70ctl("switch", "second", check=True)
+    result = app.json("switch", "both")["result"]
+    assert result["previous"] == "chat, second"
+    assert app.json("status")["result"]["active_runtimes"] == ["both"]
+    seen = units(app)
+    assert [seen[f"b70-{n}.service"]["enabled"] for n in ("chat", "second", "both")] == [
+        "disabled", "disabled", "enabled"
+    ]  # fmt: skip
+    assert ask(app, "smollm2").model == "smollm2"
