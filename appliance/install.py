@@ -26,7 +26,6 @@ from appliance.layout import (
     Scope,
     cache_name,
     layout,
-    runtime_of,
 )
 from appliance.render import render_all, stamp
 from appliance.state import ensure_key
@@ -173,7 +172,8 @@ class InstallResult:
     notes: list[str] = field(default_factory=list)
     config: ConfigChange | None = None
     removed: list[str] = field(default_factory=list)
-    boot_runtime: str = ""  # the runtime enabled at boot, started if none runs
+    boot_runtime: str = ""  # the runtimes enabled at boot (", "), started if none runs
+    boot_runtimes: list[str] = field(default_factory=list)
 
 
 def install(
@@ -230,7 +230,9 @@ def _write(
     runtime_units = [rt.unit for rt in config.runtimes.values()]
     enabled = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
     to_enable = [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
-    to_enable += [] if enabled else [config.runtime(config.default_runtime).unit]
+    boot = [rt.name for rt in config.runtimes.values() if rt.unit in enabled]
+    boot = boot or list(config.members(config.default_runtime))
+    to_enable += [] if enabled else [config.runtime(name).unit for name in boot]
     sd.enable(to_enable)
     return InstallResult(
         scope=lay.scope.value,
@@ -241,7 +243,8 @@ def _write(
         started=[],
         config=config_change,
         removed=[str(lay.destination(u)) for u in dropped],
-        boot_runtime=(runtime_of(enabled[0]) if enabled else None) or config.default_runtime,
+        boot_runtime=", ".join(boot),
+        boot_runtimes=boot,
     )
 
 
@@ -302,19 +305,22 @@ def _start_runtime(
             )
     if active:
         return
-    rt = config.runtime(result.boot_runtime)
-    progress("starting", rt.unit)
-    sd.reset_failed(rt.unit)
-    sd.start(rt.unit)
-    try:
-        wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
-    except ApplianceError as e:
-        sd.stop(rt.unit)  # do not leave it retrying in the background
-        journal = " ".join(systemd.journal_command(sd.scope, rt.unit, 50))
-        e.message = f"installed, but {e.message}"
-        e.hint = f"see why: {journal}; then `b70ctl switch {rt.name}`"
-        raise
-    result.started.append(rt.unit)
+    for name in result.boot_runtimes:  # several: side by side, or the replicas of one
+        rt = config.runtime(name)
+        progress("starting", rt.unit)
+        sd.reset_failed(rt.unit)
+        sd.start(rt.unit)
+    for name in result.boot_runtimes:
+        rt = config.runtime(name)
+        try:
+            wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+        except ApplianceError as e:
+            sd.stop(rt.unit)  # do not leave it retrying in the background
+            journal = " ".join(systemd.journal_command(sd.scope, rt.unit, 50))
+            e.message = f"installed, but {e.message}"
+            e.hint = f"see why: {journal}; then `b70ctl switch {rt.name}`"
+            raise
+        result.started.append(rt.unit)
 
 
 def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:

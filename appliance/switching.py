@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from appliance import plans, state, systemd
@@ -18,7 +18,7 @@ from appliance.config import Config
 from appliance.edges import SystemEdges
 from appliance.errors import ApplianceError
 from appliance.interrupts import Interrupts, SwitchInterrupted
-from appliance.layout import Scope, layout, runtime_unit
+from appliance.layout import Layout, Scope, layout, runtime_unit
 from appliance.preflight import preflight
 from appliance.proxy.hold import Mark
 from appliance.recovery import recover_killed
@@ -74,6 +74,7 @@ class SwitchResult:
     rolled_back: bool = False
     error: str | None = None
     journal: str | None = None
+    stopped: list[str] = field(default_factory=list)  # the runtimes it stopped (the plan's)
 
     def record(self, at: float) -> dict[str, Any]:
         return {
@@ -104,9 +105,10 @@ def switch(
     7. release the hold, enable the target, record. A failure in 5 or 6 rolls back, still held.
     """
     lay = layout(scope)
-    target = config.runtime(target_name)
+    names = config.members(target_name)  # a replica set: its replicas, one card at a time
     clock = SystemClock()
-    t0 = clock.monotonic()
+    drain_for = config.proxy.drain_s if drain_s is None else drain_s
+    options = plans.Options(restart, gate, drain_for)
     with (
         state.switch_lock(lay.state_dir, target_name) as lock,
         systemd.connect(scope) as sd,
@@ -114,13 +116,36 @@ def switch(
     ):
         if lock.stale is not None:
             recover_killed(config, lay, sd, lock.stale, progress, wait=True)
-        notes = preflight(config, lay, sd, target)
-        drain_for = config.proxy.drain_s if drain_s is None else drain_s
-        options = plans.Options(restart, gate, drain_for)
-        plan = plans.plan_switch(observe(config, sd), target_name, options)
-        previous = ", ".join(plan.stopping) or (target_name if plan.already else None)
-        edges = SystemEdges(config, lay, sd, lock, interrupts.progress)
-        run = Executor(edges, clock, interrupts, target_name, previous, config.proxy.port, t0)
+        one = Switch(config, lay, sd, lock, interrupts, clock, options)
+        if names == (target_name,):
+            return one(target_name)
+        from appliance.rolling import rolling
+
+        return rolling(one, target_name, names)
+
+
+@dataclass
+class Switch:
+    """One runtime's switch, under the lock: preflight, the plan, its steps."""
+
+    config: Config
+    lay: Layout
+    sd: systemd.Systemd
+    lock: state.SwitchLock
+    interrupts: Interrupts
+    clock: Clock
+    options: plans.Options
+
+    def __call__(self, name: str, options: plans.Options | None = None) -> SwitchResult:
+        config, clock = self.config, self.clock
+        t0 = clock.monotonic()
+        self.lock.note(target=name, phase="preflight")
+        self.interrupts.committed = False
+        notes = preflight(config, self.lay, self.sd, config.runtime(name))
+        plan = plans.plan_switch(observe(config, self.sd), name, options or self.options)
+        previous = ", ".join(plan.stopping) or (name if plan.already else None)
+        edges = SystemEdges(config, self.lay, self.sd, self.lock, self.interrupts.progress)
+        run = Executor(edges, clock, self.interrupts, name, previous, config.proxy.port, t0)
         run.notes += notes
         run.phases["preflight"] = clock.monotonic() - t0
         return run.run(plan)
@@ -162,8 +187,9 @@ class Executor:
     def result(self, ok: bool, **fields: Any) -> SwitchResult:
         seconds = self.clock.monotonic() - self.t0
         return SwitchResult(
-            self.target, self.previous, ok, seconds, self.phases, self.notes, self.answer, **fields
-        )
+            self.target, self.previous, ok, seconds, self.phases, self.notes, self.answer,
+            stopped=list(self.stopping), **fields,
+        )  # fmt: skip
 
     def record(self, result: SwitchResult, interrupted: bool) -> str | None:
         """The switch's record in the history; why it could not be written, or None."""

@@ -12,6 +12,7 @@ from appliance import config, placement, runtimes
 from appliance.errors import ConfigError
 from appliance.gpu.memgate import judge_start_all
 from appliance.gpu.sysfs import Device
+from appliance import layout as config_mod
 from appliance.layout import UNIT_SUFFIXES, Scope, layout
 from appliance.placement import placements
 from appliance.render import render_all
@@ -239,6 +240,63 @@ def test_runtimes_on_disjoint_cards_serve_side_by_side_each_on_its_port() -> Non
 
 def random_assignment(rng: random.Random, names: list[str], n_cards: int) -> dict[str, tuple]:
     return {name: tuple(rng.sample(range(n_cards), rng.randint(1, n_cards))) for name in names}
+
+
+REPLICAS = """
+[proxy]
+model = "small"
+[runtimes.old]
+engine = "llamacpp"
+command = ["/opt/llama.cpp/bin/llama-server"]
+model = "/old.gguf"
+cards = [0, 1, 2]
+per_card = true
+[runtimes.new]
+engine = "llamacpp"
+command = ["/opt/llama.cpp/bin/llama-server"]
+model = "/new.gguf"
+cards = [0, 1, 2]
+per_card = true
+"""
+
+
+def test_one_replica_per_card_is_a_runtime_per_card_behind_one_name(tmp_path: Path) -> None:
+    """`per_card = true`: a replica on each card, each on its own port, all under the one name;
+    two such sets on the same cards take turns replica by replica."""
+    cfg = parse(HEAD.format(gpu='cards = "auto"').replace('"tp"', '"old"') + REPLICAS)
+    assert cfg.groups == {"new": ("new-0", "new-1", "new-2"), "old": ("old-0", "old-1", "old-2")}
+    assert cfg.members("old") == ("old-0", "old-1", "old-2") and cfg.members("new-1") == ("new-1",)
+    assert [(r.cards, r.port) for r in map(cfg.runtime, cfg.members("new"))] == [
+        ((0,), 8001), ((1,), 8002), ((2,), 8003)
+    ]  # fmt: skip
+    assert runtimes.deployments(cfg) == {
+        port: ("small", f"http://127.0.0.1:{port}") for port in (8001, 8002, 8003)
+    }
+    files = render_all(cfg, layout(Scope.SYSTEM), BOX)
+    assert unit_lines(files["b70-new-1.service"], "Conflicts") == ["b70-old-1.service"]
+    assert "ONEAPI_DEVICE_SELECTOR=level_zero:2" in files["b70-new-1.service"]
+    assert files[config_mod.PROXY_CONFIG].count('- model_name: "small"') == 3
+    units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
+    assert analyze_verify(verify_root(tmp_path, files), units) == ""
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ("cards = [0, 1, 2]\nper_card = true", None),
+        ("per_card = true", r"runtimes\.tp\.per_card: one replica per card needs the cards"),
+        ("cards = [0]\nper_card = 1", r"runtimes\.tp\.per_card: must be"),
+    ],
+)
+def test_a_replica_set_needs_its_cards(change: str, pattern: str | None) -> None:
+    text = HEAD.format(gpu="").replace('"tp"', '"tp"') + (
+        '[runtimes.tp]\nengine = "vllm"\nmodel = "/m"\n' + change + "\n"
+    )
+    if pattern is None:
+        assert parse(text).default_runtime == "tp" and len(parse(text).groups["tp"]) == 3
+        return
+    with pytest.raises(ConfigError, match=pattern):
+        parse(text)
 
 
 @pytest.mark.parametrize("seed", range(6))

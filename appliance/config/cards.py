@@ -4,6 +4,7 @@ serve side by side (appliance.placement uses what is read here)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from appliance.config.model import (
@@ -56,6 +57,38 @@ class CardKeys(Walker):
                         f"and {b.port}",
                         "runtimes that take turns under one name use one port: drop one port",
                     )
+
+    def replicas(
+        self, runtimes: Mapping[str, RuntimeConfig], tables: Mapping[str, Any]
+    ) -> dict[str, RuntimeConfig]:
+        """Each `per_card = true` runtime as one replica per card: NAME-I on card I, on its port
+        plus the card's place in its list, under the runtime's name; the rest as they are."""
+        out: dict[str, RuntimeConfig] = {}
+        for name, rt in runtimes.items():
+            p = f"runtimes.{name}."
+            if not self.get(tables[name], "per_card", p, bool, False):
+                out[name] = rt
+                continue
+            if rt.cards is None:
+                raise self.fail(
+                    p + "per_card",
+                    "one replica per card needs the cards",
+                    "list them: cards = [0, 1, 2, 3] runs four replicas",
+                )
+            for place, card in enumerate(rt.cards):
+                replica = f"{name}-{card}"
+                if replica in runtimes or replica in out:
+                    raise self.fail(
+                        p + "per_card",
+                        f"its replica on card {card} would be named {replica!r}, "
+                        "which is another runtime's name",
+                        "rename one of them",
+                    )
+                port = rt.port + place
+                if port > 65535:
+                    raise self.fail(p + "port", f"its replica on card {card} would be on {port}")
+                out[replica] = replace(rt, name=replica, cards=(card,), port=port, group=name)
+        return out
 
     def gpu_cards(self, t: Mapping[str, Any], p: str) -> str | tuple[str, ...] | None:
         if "cards" not in t:

@@ -115,6 +115,8 @@ class RuntimeConfig:
     cards: tuple[int, ...] | None = None  # indices into [gpu] cards; None: the first card
     port: int = 8001  # where it listens on [backend] host; default [backend] port
     served_model_name: str = "b70"  # the name clients ask for on the proxy; default [proxy] model
+    # A replica of `per_card = true` runtime: the name of that runtime (its replica set)
+    group: str | None = None
 
     @property
     def unit(self) -> str:
@@ -145,11 +147,28 @@ class Config:
         try:
             return self.runtimes[name]
         except KeyError:
-            known = ", ".join(sorted(self.runtimes))
+            known = ", ".join(sorted([*self.runtimes, *self.groups]))
             raise ConfigError(
                 f"{self.path}: there is no runtime named {name!r}",
                 hint=f"configured runtimes: {known}",
             ) from None
+
+    @property
+    def groups(self) -> dict[str, tuple[str, ...]]:
+        """Runtimes with one replica per card (`per_card = true`): name -> its replicas, in the
+        order of its cards."""
+        out: dict[str, list[str]] = {}
+        for name, rt in self.runtimes.items():
+            if rt.group is not None:
+                out.setdefault(rt.group, []).append(name)
+        return {group: tuple(names) for group, names in sorted(out.items())}
+
+    def members(self, name: str) -> tuple[str, ...]:
+        """The runtimes a name stands for: a replica set's replicas, or the runtime itself."""
+        groups = self.groups
+        if name in groups:
+            return groups[name]
+        return (self.runtime(name).name,)
 
 
 def default_config_path(scope: Scope) -> Path:

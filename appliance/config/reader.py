@@ -116,7 +116,7 @@ RUNTIME_KEYS = {
     *("engine", "launcher", "model", "command", "image", "mmproj", "env", "args"),
     *("devices", "volumes", "shm_size", "user"),
     *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib", "cards"),
-    *("port", "served_model_name"),
+    *("port", "served_model_name", "per_card"),
 }
 
 
@@ -150,12 +150,14 @@ class _Reader(CardKeys):
             name: self.served(rt, self.table(runtimes_table, name, "runtimes."), proxy, backend)
             for name, rt in runtimes.items()
         }
+        runtimes = self.replicas(runtimes, runtimes_table)
+        groups = {rt.group for rt in runtimes.values() if rt.group}
         default = self.get(data, "default_runtime", "", str)
-        if default not in runtimes:
+        if default not in runtimes and default not in groups:
             raise self.fail(
                 "default_runtime",
                 f"{default!r} is not a configured runtime",
-                "one of: " + ", ".join(sorted(runtimes)),
+                "one of: " + ", ".join(sorted({*runtimes, *groups})),
             )
         monitor = self.monitor(self.table(data, "monitor"), set(runtimes))
         self.listeners({"proxy": proxy, "backend": backend, "monitor": monitor})

@@ -50,7 +50,7 @@ import hmac
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from appliance.proxy import direct, hold
 from appliance.proxy.asgi import ASGIApp, Receive, Send, log
@@ -65,6 +65,24 @@ Scope = Mapping[str, Any]
 Hold = Callable[[str | None], Awaitable[float]]
 # Where a model name's one deployment is served, when the door may send it there itself.
 Direct = Callable[[str], direct.Target | None]
+
+
+class Replicas(Protocol):
+    """LiteLLM's router choosing among a model's several deployments on the appliance's runtimes
+    (replicas, one per card), for the door to send the request there itself."""
+
+    async def choose(self, model: str, token: str | None) -> direct.Target | None:
+        """The replica the router picks among those that serve now (a switch's own request:
+        among those it holds); None when the name is not such a set (the door's other ways
+        take it). Waits while none serves; raises HoldTimeout when the hold time runs out."""
+        ...
+
+    def refused(self, target: direct.Target) -> None:
+        """The replica refused the request before its first byte: left out for a moment."""
+        ...
+
+
+MAX_REPLICA_TRIES = 8  # replicas tried for one request before it goes LiteLLM's full way
 
 MIB = 1024 * 1024
 BYPASS_HEADER = hold.BYPASS_HEADER.encode()
@@ -167,11 +185,13 @@ class Door:
         direct_to: Direct | None = None,
         answer_layers: Callable[[ASGIApp], ASGIApp] = lambda app: app,
         backend_of: Callable[[str], Backend | None] | None = None,
+        replicas: Replicas | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
         # The runtime that serves a model name, where runtimes serve side by side (else backend)
         self.backend_of = backend_of
+        self.replicas = replicas  # names served by several replicas: the router picks one
         self.models = models
         self.key = key
         self.max_body_bytes = max_body_bytes
@@ -213,10 +233,10 @@ class Door:
         (appliance.proxy.direct or appliance.proxy.relay), or the full way through LiteLLM's
         chat or completion route, sent again if the runtime died before answering
         (appliance.proxy.relay.resend)."""
-        # opened by the hold's gate of the model's runtime when it lets the request through
-        ticket = hold.Ticket(checked.model)
-        context = hold.TICKET.set(ticket)
         token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
+        # opened by the hold's gate of the model's runtime when it lets the request through
+        ticket = hold.Ticket(checked.model, token)
+        context = hold.TICKET.set(ticket)
         try:
             if not await self.fast(scope, checked, receive, send, token, arrived):
                 await resend(self.app, scope, checked.body, receive, send, arrived, self.hold_s,
@@ -235,12 +255,20 @@ class Door:
         route = route_of(route_path(scope), None)
         if self.hold is None or route is None or route[0] not in PASS_THROUGH:
             return False
+        target = self.direct_to(checked.model) if self.direct_to is not None else None
+        if target is None and self.replicas is not None:
+            try:
+                answered = await self.to_replica(scope, checked, route[0], receive, send, token)
+            except HoldTimeout as e:
+                await hold_timeout(e).send(send)
+                return True
+            if answered is not None:
+                return answered
         try:
             await self.hold(token)
         except HoldTimeout as e:
             await hold_timeout(e).send(send)
             return True
-        target = self.direct_to(checked.model) if self.direct_to is not None else None
         if target is not None:
             call = direct.Call(
                 target, route[0], direct.as_served(checked.body, checked.model, target)
@@ -254,6 +282,27 @@ class Door:
         elif await relay(self.app, scope, route[0], replay(checked.body, receive), send):
             return True
         log(f"b70: {route_path(scope)}: no answer the fast way; sent again the full way")
+        return False
+
+    async def to_replica(
+        self, scope: Scope, checked: Checked, kind: str, receive: Receive, send: Send,
+        token: str | None,
+    ) -> bool | None:  # fmt: skip
+        """A name served by several replicas: sent to the one LiteLLM's router picks, and to
+        another if that one refuses before its first byte. True: answered; False: it goes the
+        full way; None: the name is not such a set."""
+        assert self.replicas is not None
+        for _ in range(MAX_REPLICA_TRIES):
+            target = await self.replicas.choose(checked.model, token)
+            if target is None:
+                return None
+            call = direct.Call(target, kind, direct.as_served(checked.body, checked.model, target))
+            await self.direct_app({**scope, call.SCOPE_KEY: call}, receive, send)
+            if call.way == direct.ANSWERED:
+                return True
+            if call.way == direct.FULL_WAY:
+                return False
+            self.replicas.refused(target)
         return False
 
     async def check(self, scope: Scope, receive: Receive) -> Checked | None:

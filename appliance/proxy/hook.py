@@ -34,9 +34,9 @@ from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
 from appliance.proxy import backend as backend_mod
-from appliance.proxy import door, mount
+from appliance.proxy import direct, door, mount
 from appliance.proxy import hold as hold_mark
-from appliance.proxy.waiting import Gate, HoldTimeout, Probe
+from appliance.proxy.waiting import POLL_S, REFUSED_S, Gate, HoldTimeout, Probe
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -103,12 +103,92 @@ class HoldHook(CustomLogger):
             )
         return gate
 
+    # --- a name served by several replicas: LiteLLM's router picks among those that serve now
+
+    async def async_filter_deployments(
+        self,
+        model: str,
+        healthy_deployments: list[Any],
+        messages: Any,
+        request_kwargs: dict[str, Any] | None = None,
+        parent_otel_span: Any = None,
+    ) -> list[Any]:
+        """LiteLLM's router leaves out the replicas a switch holds and those that refused a
+        request a moment ago (a switch's own request goes only where it holds); if that would
+        leave none, it keeps them all, and the door waits (choose)."""
+        if self.runtimes is None or len(healthy_deployments) < 2:
+            return healthy_deployments
+        ticket = hold_mark.TICKET.get()
+        token = ticket.token if ticket is not None else None
+        mark = hold_mark.read_mark(Path(os.environ["B70_STATE_DIR"]))
+        kept = [d for d in healthy_deployments if self._admits(d, token, mark)]
+        return kept or healthy_deployments
+
+    def _admits(self, deployment: Any, token: str | None, mark: hold_mark.Mark | None) -> bool:
+        assert self.runtimes is not None
+        url = direct.origin_of(deployment, self.runtimes.urls)
+        return url is None or self.gate_at(url).admits(token, mark)
+
+    async def choose(self, model: str, token: str | None) -> direct.Target | None:
+        """For the door: the replica of `model` that LiteLLM's router picks among those that
+        serve now, counted open there; None when the name is not served by several replicas.
+        While none serves, waits up to the hold time (then HoldTimeout)."""
+        group = self.runtimes.replicas_of(model) if self.runtimes is not None else None
+        if group is None:
+            return None
+        state_dir = Path(os.environ["B70_STATE_DIR"])
+        ticket = hold_mark.TICKET.get()
+        first = self.gate_for(None)
+        start = first.clock()
+        while True:
+            if ticket is not None:
+                ticket.close()
+            picked = await self._pick(group)
+            if picked is not None:
+                gate = self.gate_at(picked[0])
+                if ticket is not None:
+                    ticket.open(gate.open_requests)
+                # read after it is counted open: a drain that reads after the mark sees it
+                if gate.admits(token, hold_mark.read_mark(state_dir)):
+                    return direct.target_of([picked[1]], group, [picked[0]])
+            waited = first.clock() - start
+            if waited >= first.hold_s:
+                if ticket is not None:
+                    ticket.close()
+                retry = max(1, round(min(first.hold_s / 4, 30)))
+                raise HoldTimeout(f"no replica of {group} serves", waited, retry)
+            await first.sleep(min(POLL_S, first.hold_s - waited))
+
+    async def _pick(self, group: str) -> tuple[str, Any] | None:
+        """LiteLLM's router's choice, by its routing strategy, and that replica's address."""
+        assert self.runtimes is not None
+        try:
+            deployment = await mount.router().async_get_available_deployment(
+                model=group, request_kwargs={}
+            )
+        except Exception:  # none it would choose (all cooling down): wait, then ask again
+            return None
+        url = direct.origin_of(deployment, self.runtimes.urls) if deployment else None
+        return (url, deployment) if url is not None else None
+
+    def refused(self, target: direct.Target) -> None:
+        """The replica refused a request before its first byte: left out for REFUSED_S."""
+        host = f"[{target.host}]" if ":" in target.host else target.host
+        gate = self.gate_at(f"http://{host}:{target.port}")
+        gate.refused_until = gate.clock() + REFUSED_S
+
     async def async_pre_call_hook(
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
     ) -> dict[str, Any]:
         headers = _request_headers(data)
         token = headers.get(hold_mark.BYPASS_HEADER)
         model = data.get("model")
+        if (
+            self.runtimes is not None
+            and isinstance(model, str)
+            and self.runtimes.replicas_of(model)
+        ):
+            return data  # several replicas: the router's choice leaves out those held or down
         try:
             gate = self.gate_for(model if isinstance(model, str) else None)
             await gate.wait(token if isinstance(token, str) else None)
@@ -180,8 +260,9 @@ def _asked() -> str | None:
 
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
-_runtimes = mount.install_in_proxy(wait_ready, hold_request)
-hold = HoldHook(backend=_runtimes.first if _runtimes else None, runtimes=_runtimes)
+hold = HoldHook()
+_runtimes = mount.install_in_proxy(wait_ready, hold_request, hold)
+hold.backend, hold.runtimes = (_runtimes.first if _runtimes else None), _runtimes
 if _runtimes is not None and "B70_STATE_DIR" in os.environ:
     # This process's slot in each runtime's open count now, so a drain before the first request
     # reads 0 from the proxy rather than falling back to the runtime's metrics.

@@ -18,34 +18,37 @@ from typing import Any
 from appliance.proxy import direct
 from appliance.proxy.asgi import ASGIApp
 from appliance.proxy.backend import Backend
-from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, Direct, Door, Hold
+from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, Direct, Door, Hold, Replicas
 from appliance.proxy.relay import WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
+def router() -> Any:
+    """LiteLLM's router in this proxy, once it has one."""
+    return getattr(sys.modules.get("litellm.proxy.proxy_server"), "llm_router", None)
+
+
 def router_models() -> Collection[str] | None:
     """The model names LiteLLM's router serves (the model and its aliases), once it has them."""
-    server = sys.modules.get("litellm.proxy.proxy_server")
-    router = getattr(server, "llm_router", None)
-    names = getattr(router, "model_names", None)
+    router_ = router()
+    names = getattr(router_, "model_names", None)
     if not names:
         return None
-    return {*names, *(getattr(router, "model_group_alias", None) or {})}
+    return {*names, *(getattr(router_, "model_group_alias", None) or {})}
 
 
 def _deployments_of(name: str) -> tuple[list[Any], str] | None:
     """The router's deployments and the model group a name asks for (an alias: its model)."""
-    server = sys.modules.get("litellm.proxy.proxy_server")
-    router = getattr(server, "llm_router", None)
-    if router is None:
+    router_ = router()
+    if router_ is None:
         return None
-    group = (getattr(router, "model_group_alias", None) or {}).get(name, name)
+    group = (getattr(router_, "model_group_alias", None) or {}).get(name, name)
     if isinstance(group, dict):  # {"model": NAME, "hidden": BOOL}
         group = group.get("model")
     if not isinstance(group, str):
         return None
-    return list(getattr(router, "model_list", None) or ()), group
+    return list(getattr(router_, "model_list", None) or ()), group
 
 
 def direct_to(backend_urls: Collection[str]) -> Direct:
@@ -85,6 +88,19 @@ class Runtimes:
 
     def backend_of(self, model: str) -> Backend:
         return self.backends[self.url_of(model)]
+
+    def replicas_of(self, model: str) -> str | None:
+        """The model group, when the name has several deployments and every one of them is one
+        of the appliance's runtimes (replicas); None otherwise."""
+        found = _deployments_of(model)
+        if found is None:
+            return None
+        deployments = [d for d in found[0] if d.get("model_name") == found[1]]
+        if len(deployments) < 2:
+            return None
+        if any(direct.origin_of(d, self.urls) is None for d in deployments):
+            return None
+        return found[1]
 
 
 # LiteLLM's middleware that only shapes an answer's headers: CORS (for browsers) and the
@@ -138,6 +154,7 @@ def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
 def install_in_proxy(
     wait_ready: WaitReady | None = None,
     hold: Hold | None = None,
+    replicas: Replicas | None = None,
     env: Mapping[str, str] = os.environ,
 ) -> Runtimes | None:
     """Put the door in front of the LiteLLM proxy's app, if this process runs one; its runtimes.
@@ -159,6 +176,7 @@ def install_in_proxy(
             wait_ready=wait_ready, hold_s=hold_s, hold=hold if pass_through else None,
             direct_to=direct_to(urls) if urls else None, answer_layers=answer_layers(app),
             backend_of=runtimes.backend_of if runtimes else None,
+            replicas=replicas if runtimes and pass_through else None,
         ),
     )  # fmt: skip
     give_large_blocks_back()

@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from appliance.proxy.hold import TICKET, HeldCounts, OpenRequests, read_mark, write_counts
+from appliance.proxy.hold import TICKET, HeldCounts, Mark, OpenRequests, read_mark, write_counts
 
 POLL_S = 0.2
 HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
@@ -22,6 +22,7 @@ HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is as
 # request waits for a probe while the runtime serves. A runtime that died in that time fails the
 # request's connection, and the door holds it then (appliance.proxy.hook.wait_ready).
 HEALTH_STALE_S = 2.0
+REFUSED_S = 2.0  # a replica that refused a request is left out of the router's choice this long
 
 
 class HoldTimeout(Exception):
@@ -58,6 +59,17 @@ class Gate:
         self.counts = HeldCounts()
         self.counts_written = False
         self.open_requests = OpenRequests(state_dir, port)
+        self.refused_until = -math.inf  # as one of several replicas: left out until then
+
+    def admits(self, token: str | None, mark: Mark | None) -> bool:
+        """Whether a request may be sent to this runtime now, as one of a name's several
+        replicas: not while a switch holds it (a switch's own request: only where it holds), nor
+        for a moment after it refused one."""
+        if self.clock() < self.refused_until:
+            return False
+        held = mark is not None and mark.holds(self.port)
+        own = mark is not None and token is not None and hmac.compare_digest(token, mark.token)
+        return held if own else not held
 
     async def blocked(self, token: str | None, health: bool = True) -> str | None:
         """Why a request must wait now, or None. `health`: False when the request's own
