@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from appliance import config, placement, runtimes
+from appliance import layout as config_mod
 from appliance.errors import ConfigError
 from appliance.gpu.memgate import judge_start_all
 from appliance.gpu.sysfs import Device
-from appliance import layout as config_mod
 from appliance.layout import UNIT_SUFFIXES, Scope, layout
 from appliance.placement import placements
 from appliance.render import render_all
