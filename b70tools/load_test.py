@@ -60,12 +60,23 @@ class SwitchRun:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """The runtime units that may serve the model, with their ports: the replicas of the sets
+    switched between. Serving capacity is how many are active and not held by a switch."""
+
+    units: dict[str, int]  # unit -> its port
+    user: bool
+    state_dir: Path
+
+
 @dataclass
 class Report:
     clients: int
     steady_s: float
     outcomes: list[Outcome] = field(default_factory=list)
     switches: list[SwitchRun] = field(default_factory=list)
+    capacity: list[int] = field(default_factory=list)  # replicas serving, sampled during switches
 
     def during_switch(self, o: Outcome) -> bool:
         return any(o.start < s.end and o.end > s.start for s in self.switches)
@@ -96,6 +107,11 @@ class Report:
             "steady_phase": group([o for o in outside if not self.switches or o.end < self.t0()]),
             "switches": [asdict(s) for s in self.switches],
             "switches_failed": sum(not s.ok for s in self.switches),
+            "capacity": {
+                "lowest": min(self.capacity, default=None),
+                "highest": max(self.capacity, default=None),
+                "samples": len(self.capacity),
+            },
             "errors": dict(sorted(errors.items(), key=lambda kv: -kv[1])[:10]),
         }
 
@@ -175,6 +191,30 @@ async def client_loop(
             n += 1
 
 
+async def serving(replicas: Replicas) -> int:
+    """Replicas whose unit is active and whose port no switch holds, now."""
+    from appliance.proxy import hold
+
+    units = list(replicas.units)
+    argv = ["systemctl", *(["--user"] if replicas.user else []), "show", "-p", "ActiveState"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, *units, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
+    )
+    out, _ = await proc.communicate()
+    states = [line.split("=", 1)[1] for line in out.decode().split("\n") if "=" in line]
+    mark = hold.read_mark(replicas.state_dir)
+    return sum(
+        state == "active" and not (mark is not None and mark.holds(replicas.units[unit]))
+        for unit, state in zip(units, states, strict=False)
+    )
+
+
+async def watch_capacity(replicas: Replicas, stop: asyncio.Event, report: Report) -> None:
+    while not stop.is_set():
+        report.capacity.append(await serving(replicas))
+        await asyncio.sleep(0.1)
+
+
 async def switch(target: Target, runtime: str) -> SwitchRun:
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -206,8 +246,10 @@ async def run(
     max_tokens: int = 32,
     pause_s: float = 2.0,
     log: Any = None,
+    replicas: Replicas | None = None,
 ) -> Report:
-    """Steady load for `steady_s`, then `switches` switches alternating over `between`."""
+    """Steady load for `steady_s`, then `switches` switches alternating over `between`; with
+    `replicas`, the serving capacity sampled while each switch runs."""
     report = Report(clients, steady_s)
     first = await switch(target, between[0])  # start from a known runtime
     if not first.ok:
@@ -221,7 +263,12 @@ async def run(
         await asyncio.sleep(steady_s)
         for i in range(switches):
             runtime = between[(i + 1) % 2]
+            watching = asyncio.Event()
+            watch = replicas and asyncio.create_task(watch_capacity(replicas, watching, report))
             run_ = await switch(target, runtime)
+            watching.set()
+            if watch:
+                await watch
             report.switches.append(run_)
             if log:
                 state = "ok" if run_.ok else f"FAILED: {run_.error}"
@@ -235,7 +282,10 @@ async def run(
     return report
 
 
-def target_from_config(config_path: str | None, user: bool) -> Target:
+def target_from_config(
+    config_path: str | None, user: bool, between: tuple[str, str] | None = None
+) -> tuple[Target, Replicas | None]:
+    """The appliance's proxy and b70ctl; with `between` naming replica sets, their replicas."""
     from appliance import config as config_mod
     from appliance import runtimes
     from appliance.layout import Scope, layout
@@ -245,7 +295,13 @@ def target_from_config(config_path: str | None, user: bool) -> Target:
     path = Path(config_path) if config_path else layout(scope).config
     config = config_mod.load(path)
     b70ctl = [config.b70ctl] + (["--user"] if user else []) + ["--config", str(path)]
-    return Target(runtimes.proxy_url(config), read_key(layout(scope)), config.proxy.model, b70ctl)
+    names = [n for name in between or () if name in config.groups for n in config.members(name)]
+    rts = [config.runtime(n) for n in names]
+    model = rts[0].served_model_name if rts else config.proxy.model
+    target = Target(runtimes.proxy_url(config), read_key(layout(scope)), model, b70ctl)
+    if not rts:
+        return target, None
+    return target, Replicas({rt.unit: rt.port for rt in rts}, user, layout(scope).state_dir)
 
 
 def render_summary(s: dict[str, Any]) -> str:
@@ -266,6 +322,12 @@ def render_summary(s: dict[str, Any]) -> str:
     for sw in s["switches"]:
         took = sw["end"] - sw["start"]
         lines.append(f"  switch to {sw['target']}: {took:.1f} s" + ("" if sw["ok"] else " FAILED"))
+    if s["capacity"]["samples"]:
+        c = s["capacity"]
+        lines.append(
+            f"  replicas serving during the switches: lowest {c['lowest']}, highest "
+            f"{c['highest']} ({c['samples']} samples)"
+        )
     for error, count in s["errors"].items():
         lines.append(f"  {count} x {error}")
     return "\n".join(lines)
@@ -282,7 +344,7 @@ def main() -> int:
     parser.add_argument("--user", action="store_true", help="the appliance of a user manager")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args()
-    target = target_from_config(args.config, args.user)
+    target, replicas = target_from_config(args.config, args.user, tuple(args.between))
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -296,6 +358,7 @@ def main() -> int:
             args.steady_s,
             args.max_tokens,
             log=log,
+            replicas=replicas,
         )
     )
     summary = report.summary()

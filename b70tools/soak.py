@@ -83,7 +83,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     from appliance import config as config_mod
     from appliance.layout import Scope, layout
 
-    target = load_test.target_from_config(args.config, args.user)
+    target, _ = load_test.target_from_config(args.config, args.user)
     scope = Scope.USER if args.user else Scope.SYSTEM
     config = config_mod.load(Path(args.config) if args.config else layout(scope).config)
     report = load_test.Report(args.clients, 0.0)

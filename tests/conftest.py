@@ -9,8 +9,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,6 +241,37 @@ def live_pid(app: Appliance, unit: str, timeout_s: float = 60) -> int:
         if time.monotonic() > deadline:
             raise AssertionError(f"{unit} has no main process after {timeout_s:g} s")
         time.sleep(0.1)
+
+
+@contextmanager
+def appliance_on_cards(
+    root: Path, slots: list[str], text: Callable[[int, int], str]
+) -> Iterator[Appliance]:
+    """An appliance installed under a private user manager on a fixture tree of B70s at `slots`,
+    its config `text(proxy_port, backend_port)`; uninstalled, the manager stopped, after."""
+    require_real_parts()
+    # Beside the models, not under /tmp: each runtime unit has a private /tmp, and its memory
+    # gate (ExecStartPre=) reads the cards from this tree.
+    from b70tools import gpu_trees
+
+    tree_root = Path(tempfile.mkdtemp(prefix="test-sysroot-", dir=CACHE))
+    tree = gpu_trees.healthy_host(tree_root, slots)
+    try:
+        with running_manager(root / "manager") as manager:
+            # The units' memory gates and b70ctl read the fixture cards.
+            manager.systemctl("set-environment", f"B70_SYSROOT={tree}")
+            manager.env["B70_SYSROOT"] = str(tree)
+            config = root / "appliance.toml"
+            proxy_port, backend_port = free_port(), free_port()
+            config.write_text(text(proxy_port, backend_port))
+            app = Appliance(manager, config, proxy_port, backend_port)
+            app.b70ctl("install", check=True)
+            try:
+                yield app
+            finally:
+                app.b70ctl("uninstall", "--purge")
+    finally:
+        shutil.rmtree(tree_root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

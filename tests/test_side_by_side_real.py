@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,17 +15,8 @@ from typing import Any
 
 import pytest
 
-from b70tools import gpu_trees as t
 from b70tools.net import free_port
-from tests.conftest import (
-    B70CTL,
-    CACHE,
-    GGUF,
-    LLAMA_SERVER,
-    Appliance,
-    require_real_parts,
-    running_manager,
-)
+from tests.conftest import B70CTL, GGUF, LLAMA_SERVER, Appliance, appliance_on_cards
 
 SLOTS = ["0000:03:00.0", "0000:07:00.0"]
 
@@ -68,29 +58,17 @@ probe_completion = false
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    require_real_parts()
     root = tmp_path_factory.mktemp("side")
-    # Beside the models, not under /tmp: each runtime unit has a private /tmp, and its memory
-    # gate (ExecStartPre=) reads the cards from this tree.
-    tree_root = Path(tempfile.mkdtemp(prefix="test-sysroot-", dir=CACHE))
-    tree = t.healthy_host(tree_root, SLOTS)
     corrupt = root / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + bytes(4096))
-    with running_manager(root / "manager") as manager:
-        # The units' memory gates and b70ctl read the two fixture cards.
-        manager.systemctl("set-environment", f"B70_SYSROOT={tree}")
-        manager.env["B70_SYSROOT"] = str(tree)
-        config = root / "appliance.toml"
-        ports = [free_port() for _ in range(4)]
-        config.write_text(config_text(*ports, corrupt))
-        appliance = Appliance(manager, config, ports[0], ports[1])
-        appliance.b70ctl("install", check=True)
-        try:
-            yield appliance
-        finally:
-            appliance.b70ctl("uninstall", "--purge")
+    second, monitor = free_port(), free_port()
+
+    def text(proxy: int, chat: int) -> str:
+        return config_text(proxy, chat, second, monitor, corrupt)
+
+    with appliance_on_cards(root, SLOTS, text) as appliance:
+        yield appliance
     shutil.rmtree(root, ignore_errors=True)  # after the manager's stop, which reads its files
-    shutil.rmtree(tree_root, ignore_errors=True)
 
 
 def ask(app: Appliance, model: str, max_tokens: int = 8) -> Any:
