@@ -231,6 +231,8 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         # For the request checks (appliance.proxy.door): the largest body taken, in bytes.
         "B70_MAX_BODY_BYTES": str(config.proxy.max_body_bytes),
     }
+    if config.peers.urls:  # other appliances' proxies: their readiness and the key they take
+        env["B70_PEER_URL"] = " ".join(config.peers.urls)
     if not config.proxy.pass_through:  # every model request LiteLLM's full way (relay.py)
         env["B70_PASS_THROUGH"] = "0"
     return env
@@ -274,6 +276,10 @@ def render_proxy_config(config: Config, lay: Layout) -> str:
         lay,
         proxy=config.proxy,
         deployments=list(runtimes.deployments(config).values()),
+        peers=runtimes.peer_deployments(config),
+        cooldown_s=f"{config.peers.cooldown_s:g}",
+        redis_host=config.peers.redis_host,
+        redis_port=config.peers.redis_port,
     )
 
 

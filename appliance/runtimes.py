@@ -143,6 +143,12 @@ def deployments(config: Config) -> dict[int, tuple[str, str]]:
     return dict(sorted(out.items()))
 
 
+def peer_deployments(config: Config) -> list[tuple[str, str]]:
+    """Each name this box serves, at each peer's proxy: (name, URL)."""
+    names = sorted({rt.served_model_name for rt in config.runtimes.values()})
+    return [(name, url.rstrip("/")) for name in names for url in config.peers.urls]
+
+
 def proxy_url(config: Config) -> str:
     host = config.proxy.host
     if host in {"0.0.0.0", "::"}:

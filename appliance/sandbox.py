@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,7 +228,10 @@ def proxy(config: Config, lay: Layout, litellm: str) -> list[Directive]:
     ]
     out += _files(lay, [str(lay.proxy_config), config.b70ctl, litellm], state=HELD_DIR)
     out += _cache("b70-litellm.service", {})
-    out += _loopback_only([config.proxy.host, config.backend.host])
+    # Peers and their Redis: the proxy talks to them, so it is not loopback-only
+    peers = [urllib.parse.urlsplit(url).hostname or "" for url in config.peers.urls]
+    redis = [config.peers.redis_host] if config.peers.redis_host else []
+    out += _loopback_only([config.proxy.host, config.backend.host, *peers, *redis])
     return out
 
 

@@ -94,6 +94,17 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class PeersConfig:
+    """Other b70 appliances whose proxies serve the same names: this proxy routes to them too."""
+
+    urls: tuple[str, ...] = ()  # http://HOST:PORT of each peer's proxy
+    # Where two front doors share their routing state (cooldowns, usage): LiteLLM's Redis
+    redis_host: str | None = None
+    redis_port: int = 6379
+    cooldown_s: float = 5.0  # how long a peer that failed is left out
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     name: str
     engine: Engine
@@ -140,6 +151,7 @@ class Config:
     monitor: MonitorConfig = MonitorConfig()
     docker: str = "/usr/bin/docker"
     podman: str = "/usr/bin/podman"
+    peers: PeersConfig = PeersConfig()
     # The file's text as it was validated: install keeps exactly this, not a later copy.
     text: str = field(default="", repr=False, compare=False)
 

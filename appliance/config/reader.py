@@ -23,6 +23,7 @@ from appliance.config.model import (
     GpuConfig,
     Launcher,
     MonitorConfig,
+    PeersConfig,
     ProxyConfig,
     RuntimeConfig,
     default_b70ctl,
@@ -41,6 +42,7 @@ from appliance.config.values import (
     check_listen_host,
     check_model_name,
     check_pci_address,
+    check_peer_url,
     check_port,
     check_range,
     check_size,
@@ -134,6 +136,7 @@ class _Reader(CardKeys):
             "gpu",
             "runtimes",
             "monitor",
+            "peers",
         }
         self.known(data, "", top)
         proxy = self.proxy(self.table(data, "proxy"))
@@ -164,6 +167,7 @@ class _Reader(CardKeys):
         self.runtime_ports(runtimes, backend.host, {"proxy": proxy, "monitor": monitor})
         self.side_by_side(runtimes)
         return Config(
+            peers=self.peers(self.table(data, "peers"), proxy),
             monitor=monitor,
             path=self.path,
             default_runtime=default,
@@ -294,6 +298,31 @@ class _Reader(CardKeys):
             hang_after=self.get(t, "hang_after", p, int, 3, check_range(1, 1000)),
             restart_tries=self.get(t, "restart_tries", p, int, 2, check_range(0, 100)),
             fallback=fallback,
+        )
+
+    def peers(self, t: Mapping[str, Any], proxy: ProxyConfig) -> PeersConfig:
+        p = "peers."
+        self.known(t, p, {"urls", "redis_host", "redis_port", "cooldown_s"})
+        urls = self.strings(t, "urls", p)
+        for i, url in enumerate(urls):
+            if problem := check_peer_url(url):
+                raise self.fail(f"{p}urls[{i}]", problem, 'e.g. urls = ["http://10.0.0.2:8000"]')
+            if url in urls[:i]:
+                raise self.fail(f"{p}urls[{i}]", f"{url} is listed twice")
+            if not proxy.pass_through:
+                raise self.fail(
+                    p + "urls", "peers need proxy.pass_through (the door sends them requests)"
+                )
+        redis = self.get(t, "redis_host", p, str, "", check_host) or None
+        if redis is not None and not urls:
+            raise self.fail(p + "redis_host", "is for front doors with peers: list peers.urls")
+        return PeersConfig(
+            urls=urls,
+            redis_host=redis,
+            redis_port=self.get(t, "redis_port", p, int, 6379, check_port),
+            cooldown_s=self.get(
+                t, "cooldown_s", p, float, 5.0, check_range(0, HOUR_S, low_open=True)
+            ),
         )
 
     def backend(self, t: Mapping[str, Any]) -> BackendConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import urllib.parse
 from collections.abc import Callable
 
 # A runtime name becomes a unit name (b70-NAME.service), a container name and a journal tag.
@@ -157,3 +158,19 @@ def check_pci_address(value: str) -> str | None:
     if value == "auto" or re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", value):
         return None
     return f"{value!r} is neither 'auto' nor a PCI address such as 0000:03:00.0"
+
+
+def check_peer_url(value: str) -> str | None:
+    """A peer appliance's proxy: http://HOST:PORT, nothing after it (the proxy adds /v1)."""
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme != "http" or not parts.hostname:
+        return f"{value!r} is not an http://HOST:PORT address of a peer's proxy"
+    if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        return f"{value!r}: only http://HOST:PORT, the peer's :8000 (the proxy adds /v1)"
+    try:
+        port = parts.port
+    except ValueError:
+        return f"{value!r} has a port that is not a number from 1 to 65535"
+    if port is None:
+        return f"{value!r} has no port: the peer's proxy port, usually 8000"
+    return check_host(parts.hostname)

@@ -83,14 +83,18 @@ class Target:
     port: int
     base_path: str  # the deployment's api_base path, /v1
     model: str
+    headers: tuple[tuple[str, str], ...] = ()  # a peer's: its key, and that it comes from a peer
+    deployment_id: str | None = None  # the router's id of it, for its cooldown
 
 
-def origin_of(deployment: Mapping[str, Any], backend_urls: Collection[str]) -> str | None:
-    """The runtime address (one of `backend_urls`) of an OpenAI-compatible `hosted_vllm`
-    deployment, or None when it is not one of the appliance's runtimes."""
+def origin_of(
+    deployment: Mapping[str, Any], backend_urls: Collection[str], provider: str = PROVIDER
+) -> str | None:
+    """The address (one of `backend_urls`) of an OpenAI-compatible deployment of `provider`
+    (the appliance's runtimes: `hosted_vllm/`; peers' proxies: `openai/`), or None."""
     params = deployment.get("litellm_params") or {}
     model, api_base = params.get("model"), params.get("api_base")
-    if not (isinstance(model, str) and model.startswith(PROVIDER) and isinstance(api_base, str)):
+    if not (isinstance(model, str) and model.startswith(provider) and isinstance(api_base, str)):
         return None
     base = urllib.parse.urlsplit(api_base.rstrip("/"))
     origin = f"{base.scheme}://{base.netloc}"
@@ -102,12 +106,17 @@ def origin_of(deployment: Mapping[str, Any], backend_urls: Collection[str]) -> s
 
 
 def target_of(
-    deployments: Iterable[Mapping[str, Any]], name: str, backend_urls: Collection[str]
+    deployments: Iterable[Mapping[str, Any]],
+    name: str,
+    backend_urls: Collection[str],
+    provider: str = PROVIDER,
+    headers: tuple[tuple[str, str], ...] = (),
 ) -> Target | None:
     """The runtime that serves `name`, when the router's only deployment of it is one of the
-    appliance's runtimes (`backend_urls`); None otherwise."""
+    appliance's runtimes (`backend_urls`; or of `provider` there, a peer's proxy); None
+    otherwise."""
     found = [d for d in deployments if d.get("model_name") == name]
-    if len(found) != 1 or origin_of(found[0], backend_urls) is None:
+    if len(found) != 1 or origin_of(found[0], backend_urls, provider) is None:
         return None
     params = found[0]["litellm_params"]
     base = urllib.parse.urlsplit(params["api_base"].rstrip("/"))
@@ -116,7 +125,9 @@ def target_of(
     except ValueError:
         return None
     assert base.hostname is not None  # origin_of checked it
-    return Target(base.hostname, port, base.path, params["model"].removeprefix(PROVIDER))
+    served = params["model"].removeprefix(provider)
+    deployment_id = (found[0].get("model_info") or {}).get("id")
+    return Target(base.hostname, port, base.path, served, headers, deployment_id)
 
 
 def as_served(body: bytes, asked: str, target: Target) -> bytes:
@@ -200,6 +211,7 @@ class _Exchange:
                 ("Content-Type", "application/json"),
                 ("Content-Length", str(len(body))),
                 ("Connection", "close"),
+                *self.target.headers,
             ],
         )
         try:

@@ -47,6 +47,7 @@ appliance.proxy.hold.
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -104,6 +105,11 @@ ROUTES |= {
     for path in ("/health/liveliness", "/health/liveness", "/health/readiness")
 }
 MODEL_PREFIXES = ("/models/", "/v1/models/")  # GET /v1/models/{model}, a model served here
+# Answered by the door itself: whether this box's own runtimes serve (peers' front doors ask it)
+READINESS_PATH = "/health/readiness"
+PEER_HEADER = b"x-b70-peer"  # a request a peer's front door sent here
+# Whether this box serves, and per name "ready", "switching" or "down".
+Readiness = Callable[[], Awaitable[tuple[bool, dict[str, str]]]]
 
 
 def route_of(path: str, models: Collection[str] | None) -> tuple[str, frozenset[str]] | None:
@@ -186,12 +192,14 @@ class Door:
         answer_layers: Callable[[ASGIApp], ASGIApp] = lambda app: app,
         backend_of: Callable[[str], Backend | None] | None = None,
         replicas: Replicas | None = None,
+        readiness: Readiness | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
         # The runtime that serves a model name, where runtimes serve side by side (else backend)
         self.backend_of = backend_of
         self.replicas = replicas  # names served by several replicas: the router picks one
+        self.readiness = readiness
         self.models = models
         self.key = key
         self.max_body_bytes = max_body_bytes
@@ -209,6 +217,10 @@ class Door:
             return
         if scope["type"] != "http":
             await _refuse_websocket(scope, receive, send)
+            return
+        asks_ready = route_path(scope) == READINESS_PATH and scope["method"] == "GET"
+        if self.readiness is not None and asks_ready:
+            await self.ready(send)
             return
         arrived = self.clock()
         try:
@@ -235,7 +247,7 @@ class Door:
         (appliance.proxy.relay.resend)."""
         token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
         # opened by the hold's gate of the model's runtime when it lets the request through
-        ticket = hold.Ticket(checked.model, token)
+        ticket = hold.Ticket(checked.model, token, _header(scope, PEER_HEADER) is not None)
         context = hold.TICKET.set(ticket)
         try:
             if not await self.fast(scope, checked, receive, send, token, arrived):
@@ -283,6 +295,17 @@ class Door:
             return True
         log(f"b70: {route_path(scope)}: no answer the fast way; sent again the full way")
         return False
+
+    async def ready(self, send: Send) -> None:
+        """200 when this box's own runtimes serve a name, 503 while none does (switching, or
+        down). No key, like the liveness probe, so it names no model."""
+        assert self.readiness is not None
+        ok, _ = await self.readiness()
+        body = json.dumps({"status": "ready" if ok else "not ready"}).encode()
+        headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
+        await send({"type": "http.response.start", "status": 200 if ok else 503,
+                    "headers": headers})  # fmt: skip
+        await send({"type": "http.response.body", "body": body})
 
     async def to_replica(
         self, scope: Scope, checked: Checked, kind: str, receive: Receive, send: Send,

@@ -244,9 +244,12 @@ class Ticket:
     runtime, closed while it waits at the hold and when its answer has ended. `model`: the
     name it asked for, which says whose hold and count it is (appliance.proxy.hook)."""
 
-    def __init__(self, model: str | None = None, token: str | None = None) -> None:
+    def __init__(
+        self, model: str | None = None, token: str | None = None, from_peer: bool = False
+    ) -> None:
         self.model = model
         self.token = token  # its hold token: a switch's own request
+        self.from_peer = from_peer  # a peer's front door sent it: this box's runtimes answer it
         self.counted: OpenRequests | None = None
 
     def open(self, counts: OpenRequests) -> None:

@@ -21,8 +21,11 @@ is busy, not down: only a refused connection or a non-200 answer holds requests.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import os
+import time
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,7 +39,7 @@ from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAut
 from appliance.proxy import backend as backend_mod
 from appliance.proxy import direct, door, mount
 from appliance.proxy import hold as hold_mark
-from appliance.proxy.waiting import POLL_S, REFUSED_S, Gate, HoldTimeout, Probe
+from appliance.proxy.waiting import HEALTH_TTL_S, POLL_S, Gate, HoldTimeout, Probe
 
 HEALTH_TIMEOUT_S = 2.0
 
@@ -77,6 +80,7 @@ class HoldHook(CustomLogger):
         self.backend = backend  # the door's view of the first runtime, to name it in errors
         self.runtimes = runtimes
         self._gates: dict[str, Gate] = {}
+        self._peers: dict[str, Peer] = {}
 
     @property
     def gate(self) -> Gate:
@@ -103,7 +107,8 @@ class HoldHook(CustomLogger):
             )
         return gate
 
-    # --- a name served by several replicas: LiteLLM's router picks among those that serve now
+    # --- a name served by several replicas, or by peers too: LiteLLM's router picks among
+    # those that serve now
 
     async def async_filter_deployments(
         self,
@@ -113,26 +118,41 @@ class HoldHook(CustomLogger):
         request_kwargs: dict[str, Any] | None = None,
         parent_otel_span: Any = None,
     ) -> list[Any]:
-        """LiteLLM's router leaves out the replicas a switch holds and those that refused a
-        request a moment ago (a switch's own request goes only where it holds); if that would
-        leave none, it keeps them all, and the door waits (choose)."""
+        """LiteLLM's router leaves out the replicas a switch holds (a switch's own request goes
+        only where it holds), peers whose readiness says they do not serve, and peers for a
+        request that came from a peer; if that would leave none, it keeps them all, and the
+        door waits (choose)."""
         if self.runtimes is None or len(healthy_deployments) < 2:
             return healthy_deployments
         ticket = hold_mark.TICKET.get()
-        token = ticket.token if ticket is not None else None
         mark = hold_mark.read_mark(Path(os.environ["B70_STATE_DIR"]))
-        kept = [d for d in healthy_deployments if self._admits(d, token, mark)]
+        kept = [d for d in healthy_deployments if self._admits(d, ticket, mark)]
         return kept or healthy_deployments
 
-    def _admits(self, deployment: Any, token: str | None, mark: hold_mark.Mark | None) -> bool:
+    def _admits(
+        self, deployment: Any, ticket: hold_mark.Ticket | None, mark: hold_mark.Mark | None
+    ) -> bool:
         assert self.runtimes is not None
-        url = direct.origin_of(deployment, self.runtimes.urls)
-        return url is None or self.gate_at(url).admits(token, mark)
+        found = self.runtimes.where(deployment)
+        if found is None:
+            return True
+        url, is_peer = found
+        if is_peer:
+            from_peer = ticket is not None and ticket.from_peer
+            return not from_peer and self.peer(url).usable()
+        return self.gate_at(url).admits(ticket.token if ticket else None, mark)
+
+    def peer(self, url: str) -> Peer:
+        found = self._peers.get(url)
+        if found is None:
+            found = self._peers[url] = Peer(url)
+        return found
 
     async def choose(self, model: str, token: str | None) -> direct.Target | None:
-        """For the door: the replica of `model` that LiteLLM's router picks among those that
-        serve now, counted open there; None when the name is not served by several replicas.
-        While none serves, waits up to the hold time (then HoldTimeout)."""
+        """For the door: the replica (or peer) of `model` that LiteLLM's router picks among
+        those that serve now, counted open there; None when the name has one deployment (the
+        door's other ways take it). While none serves, waits up to the hold time (then
+        HoldTimeout)."""
         group = self.runtimes.replicas_of(model) if self.runtimes is not None else None
         if group is None:
             return None
@@ -144,13 +164,11 @@ class HoldHook(CustomLogger):
             if ticket is not None:
                 ticket.close()
             picked = await self._pick(group)
-            if picked is not None:
-                gate = self.gate_at(picked[0])
-                if ticket is not None:
-                    ticket.open(gate.open_requests)
-                # read after it is counted open: a drain that reads after the mark sees it
-                if gate.admits(token, hold_mark.read_mark(state_dir)):
-                    return direct.target_of([picked[1]], group, [picked[0]])
+            mark = hold_mark.read_mark(state_dir)
+            if picked is not None and self._admits(picked, ticket, mark):
+                target = self._counted(picked, group, ticket, state_dir)
+                if target is not None:
+                    return target
             waited = first.clock() - start
             if waited >= first.hold_s:
                 if ticket is not None:
@@ -159,23 +177,66 @@ class HoldHook(CustomLogger):
                 raise HoldTimeout(f"no replica of {group} serves", waited, retry)
             await first.sleep(min(POLL_S, first.hold_s - waited))
 
-    async def _pick(self, group: str) -> tuple[str, Any] | None:
-        """LiteLLM's router's choice, by its routing strategy, and that replica's address."""
+    def _counted(
+        self, deployment: Any, group: str, ticket: hold_mark.Ticket | None, state_dir: Path
+    ) -> direct.Target | None:
+        """The target, its request counted open at a local replica; None if a switch marked
+        that replica meanwhile (read after the count: a drain that reads after the mark sees
+        the request)."""
         assert self.runtimes is not None
+        found = self.runtimes.where(deployment)
+        if found is None:
+            return None
+        url, is_peer = found
+        if not is_peer:
+            gate = self.gate_at(url)
+            if ticket is not None:
+                ticket.open(gate.open_requests)
+            if not gate.admits(ticket.token if ticket else None, hold_mark.read_mark(state_dir)):
+                return None
+        return self.runtimes.target(deployment, group)
+
+    async def _pick(self, group: str) -> Any:
+        """LiteLLM's router's choice, by its routing strategy (its cooldowns and the filter
+        above applied)."""
         try:
-            deployment = await mount.router().async_get_available_deployment(
+            return await mount.router().async_get_available_deployment(
                 model=group, request_kwargs={}
             )
         except Exception:  # none it would choose (all cooling down): wait, then ask again
             return None
-        url = direct.origin_of(deployment, self.runtimes.urls) if deployment else None
-        return (url, deployment) if url is not None else None
 
     def refused(self, target: direct.Target) -> None:
-        """The replica refused a request before its first byte: left out for REFUSED_S."""
-        host = f"[{target.host}]" if ":" in target.host else target.host
-        gate = self.gate_at(f"http://{host}:{target.port}")
-        gate.refused_until = gate.clock() + REFUSED_S
+        """The replica or peer refused a request before its first byte: LiteLLM's router cools
+        it down (shared with the other front doors through Redis, when configured)."""
+        cooldown = getattr(mount.router(), "cooldown_cache", None)
+        if cooldown is None or target.deployment_id is None:
+            return
+        with contextlib.suppress(Exception):  # a router that cannot: the filter still acts
+            cooldown.add_deployment_to_cooldown(
+                model_id=target.deployment_id,
+                original_exception=ConnectionRefusedError("refused before its first byte"),
+                exception_status=503,
+                cooldown_time=None,  # the router's cooldown_time
+            )
+
+    async def readiness(self) -> tuple[bool, dict[str, str]]:
+        """Whether this box serves: per runtime port's name, "ready", "switching" or "down"
+        (its own runtimes only, never its peers'); ready when any name is."""
+        if self.runtimes is None:
+            return False, {}
+        mark = hold_mark.read_mark(Path(os.environ["B70_STATE_DIR"]))
+        names: dict[str, str] = {}
+        for url in self.runtimes.urls:
+            gate = self.gate_at(url)
+            name = self.runtimes.name_at(url)
+            if mark is not None and mark.holds(gate.port):
+                state = "switching"
+            else:
+                state = "ready" if await gate.healthy() else "down"
+            if names.get(name) != "ready":
+                names[name] = state
+        return any(state == "ready" for state in names.values()), names
 
     async def async_pre_call_hook(
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
@@ -231,6 +292,37 @@ class HoldHook(CustomLogger):
         return f"the runtime ({facts.engine})" if facts is not None else "the runtime"
 
 
+class Peer:
+    """A peer appliance's readiness, asked beside the requests at most every HEALTH_TTL_S:
+    it says whether the peer serves (not switching, a runtime healthy)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.ready = True  # until it says otherwise
+        self.asked_at = -math.inf
+        self.asking: asyncio.Future[None] | None = None
+        self._client: httpx.AsyncClient | None = None
+
+    def usable(self) -> bool:
+        if time.monotonic() - self.asked_at > HEALTH_TTL_S and (
+            self.asking is None or self.asking.done()
+        ):
+            self.asking = asyncio.ensure_future(self._ask())
+        return self.ready
+
+    async def _ask(self) -> None:
+        if self._client is None:  # created inside the proxy's event loop
+            self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+        try:
+            answer = await self._client.get(self.url + door.READINESS_PATH)
+            self.ready = answer.status_code == 200
+        except httpx.TimeoutException:
+            pass  # busy, not down: what it said last stands
+        except httpx.HTTPError:
+            self.ready = False
+        self.asked_at = time.monotonic()
+
+
 PROVIDER_ERROR = "Hosted_vllmException"  # LiteLLM's name for errors of the hosted_vllm route
 
 
@@ -261,7 +353,7 @@ def _asked() -> str | None:
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
 hold = HoldHook()
-_runtimes = mount.install_in_proxy(wait_ready, hold_request, hold)
+_runtimes = mount.install_in_proxy(wait_ready, hold_request, hold, readiness=hold.readiness)
 hold.backend, hold.runtimes = (_runtimes.first if _runtimes else None), _runtimes
 if _runtimes is not None and "B70_STATE_DIR" in os.environ:
     # This process's slot in each runtime's open count now, so a drain before the first request

@@ -18,7 +18,14 @@ from typing import Any
 from appliance.proxy import direct
 from appliance.proxy.asgi import ASGIApp
 from appliance.proxy.backend import Backend
-from appliance.proxy.door import DEFAULT_MAX_BODY_BYTES, Direct, Door, Hold, Replicas
+from appliance.proxy.door import (
+    DEFAULT_MAX_BODY_BYTES,
+    Direct,
+    Door,
+    Hold,
+    Readiness,
+    Replicas,
+)
 from appliance.proxy.relay import WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -62,13 +69,18 @@ def direct_to(backend_urls: Collection[str]) -> Direct:
     return target
 
 
+PEER_PROVIDER = "openai/"  # a peer's proxy, as rendered (templates/litellm.yaml.j2)
+PEER_HEADER = "x-b70-peer"  # sent to a peer: its router keeps the request on its own runtimes
+
+
 class Runtimes:
     """The appliance's runtimes as the proxy sees them: one address per runtime port
     (B70_BACKEND_URL, space-separated), what each says about itself, and which one serves a
-    model name. Runtimes on other cards serve other names on other ports (side by side)."""
+    model name; and the peers' proxies (B70_PEER_URL), which serve the same names."""
 
-    def __init__(self, urls: list[str]) -> None:
+    def __init__(self, urls: list[str], peers: list[str] | None = None) -> None:
         self.urls = urls
+        self.peers = [url.rstrip("/") for url in peers or ()]
         self.backends = {url: Backend(url) for url in urls}
 
     @property
@@ -89,18 +101,46 @@ class Runtimes:
     def backend_of(self, model: str) -> Backend:
         return self.backends[self.url_of(model)]
 
+    def name_at(self, url: str) -> str:
+        """The name the runtime at `url` serves (its deployment's), else the address."""
+        router_ = router()
+        for deployment in getattr(router_, "model_list", None) or ():
+            if direct.origin_of(deployment, [url]) is not None:
+                return str(deployment.get("model_name"))
+        return url
+
     def replicas_of(self, model: str) -> str | None:
         """The model group, when the name has several deployments and every one of them is one
-        of the appliance's runtimes (replicas); None otherwise."""
+        of the appliance's runtimes (replicas) or a peer's proxy; None otherwise."""
         found = _deployments_of(model)
         if found is None:
             return None
         deployments = [d for d in found[0] if d.get("model_name") == found[1]]
         if len(deployments) < 2:
             return None
-        if any(direct.origin_of(d, self.urls) is None for d in deployments):
+        if any(self.where(d) is None for d in deployments):
             return None
         return found[1]
+
+    def where(self, deployment: Any) -> tuple[str, bool] | None:
+        """A deployment's address, and whether it is a peer's; None if it is neither."""
+        url = direct.origin_of(deployment, self.urls)
+        if url is not None:
+            return url, False
+        url = direct.origin_of(deployment, self.peers, PEER_PROVIDER)
+        return (url, True) if url is not None else None
+
+    def target(self, deployment: Any, group: str) -> direct.Target | None:
+        """Where the door sends a request for `group` that the router gave this deployment."""
+        found = self.where(deployment)
+        if found is None:
+            return None
+        url, peer = found
+        if not peer:
+            return direct.target_of([deployment], group, [url])
+        key = os.environ.get("LITELLM_MASTER_KEY", "")  # the fleet's one key
+        headers = (("Authorization", f"Bearer {key}"), (PEER_HEADER, "1"))
+        return direct.target_of([deployment], group, [url], PEER_PROVIDER, headers)
 
 
 # LiteLLM's middleware that only shapes an answer's headers: CORS (for browsers) and the
@@ -156,6 +196,7 @@ def install_in_proxy(
     hold: Hold | None = None,
     replicas: Replicas | None = None,
     env: Mapping[str, str] = os.environ,
+    readiness: Readiness | None = None,
 ) -> Runtimes | None:
     """Put the door in front of the LiteLLM proxy's app, if this process runs one; its runtimes.
     `wait_ready`: the request hold, for requests sent again after the runtime died; `hold`: the
@@ -165,7 +206,7 @@ def install_in_proxy(
     if app is None or not hasattr(app, "middleware_stack"):
         return None
     urls = env.get("B70_BACKEND_URL", "").split()
-    runtimes = Runtimes(urls) if urls else None
+    runtimes = Runtimes(urls, env.get("B70_PEER_URL", "").split()) if urls else None
     limit = max_body_bytes(env)
     hold_s = hold_seconds(env)
     pass_through = env.get("B70_PASS_THROUGH", "1") != "0"
@@ -177,6 +218,7 @@ def install_in_proxy(
             direct_to=direct_to(urls) if urls else None, answer_layers=answer_layers(app),
             backend_of=runtimes.backend_of if runtimes else None,
             replicas=replicas if runtimes and pass_through else None,
+            readiness=readiness if runtimes else None,
         ),
     )  # fmt: skip
     give_large_blocks_back()

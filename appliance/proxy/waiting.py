@@ -22,7 +22,6 @@ HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is as
 # request waits for a probe while the runtime serves. A runtime that died in that time fails the
 # request's connection, and the door holds it then (appliance.proxy.hook.wait_ready).
 HEALTH_STALE_S = 2.0
-REFUSED_S = 2.0  # a replica that refused a request is left out of the router's choice this long
 
 
 class HoldTimeout(Exception):
@@ -59,14 +58,10 @@ class Gate:
         self.counts = HeldCounts()
         self.counts_written = False
         self.open_requests = OpenRequests(state_dir, port)
-        self.refused_until = -math.inf  # as one of several replicas: left out until then
 
     def admits(self, token: str | None, mark: Mark | None) -> bool:
         """Whether a request may be sent to this runtime now, as one of a name's several
-        replicas: not while a switch holds it (a switch's own request: only where it holds), nor
-        for a moment after it refused one."""
-        if self.clock() < self.refused_until:
-            return False
+        replicas: not while a switch holds it (a switch's own request: only where it holds)."""
         held = mark is not None and mark.holds(self.port)
         own = mark is not None and token is not None and hmac.compare_digest(token, mark.token)
         return held if own else not held
@@ -87,6 +82,12 @@ class Gate:
             return None  # healthy a moment ago: it goes on, and the answer comes for the next
         # shielded: a request that is cancelled (its client left) leaves the probe to the others
         return None if await asyncio.shield(probing) else "the backend is not healthy"
+
+    async def healthy(self) -> bool:
+        """Whether the runtime answers /health: the kept answer while it is fresh, else asked."""
+        if self.clock() < self.healthy_until:
+            return True
+        return bool(await asyncio.shield(self.probe_once()))
 
     def probe_once(self) -> asyncio.Future[bool]:
         """The probe being asked, once for every request that needs it at the same moment: a
