@@ -1,4 +1,4 @@
-"""`b70ctl monitor` (b70-monitor.service): watch the serving runtime, heal it, export metrics.
+"""`b70ctl monitor` (b70-monitor.service): watch the serving runtimes, heal them, export metrics.
 
 Every interval it samples backend and proxy health, a tiny completion on the runtime, GPU
 memory and the runtime's own metrics, and exports them to Prometheus on loopback. systemd
@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from appliance import gpu, health, runtimes, samples, systemd
-from appliance.config import Config
+from appliance.config import Config, RuntimeConfig
 from appliance.errors import ApplianceError, from_exception
 from appliance.files import write_atomic
 from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Layout, Scope, layout
+from appliance.placement import excludes
 from appliance.plans import Action, Memory, Observation, judge
 from appliance.proxy import hold as hold_mark
 from appliance.recovery import recover_killed_switch
@@ -52,41 +53,46 @@ def _lock_held(state_dir: Path) -> bool:
     return False
 
 
-def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> Observation:
-    now = time.time()
-    runtime = unit_state = sub_state = None
-    pid = None
+def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> list[Observation]:
+    """One observation per runtime to watch: each one active or starting, and a failed one that
+    is enabled at boot (a failed unit that is not a chosen runtime is history, not news); one
+    with no runtime when there is none. Runtimes serving side by side are each watched."""
+    now, switching = time.time(), switch_running(state_dir)
+    out = []
     for name, rt in sorted(config.runtimes.items()):
         st = sd.state(rt.unit)
-        if st.active_state in {"active", "activating", "failed"} and (
-            runtime is None or st.active_state == "active"
-        ):
-            if st.active_state == "failed" and st.unit_file_state != "enabled":
-                continue  # a failed unit that is not the chosen runtime is history, not news
-            runtime, unit_state, sub_state, pid = name, st.active_state, st.sub_state, st.main_pid
+        if st.active_state not in {"active", "activating", "failed"}:
+            continue
+        if st.active_state == "failed" and st.unit_file_state != "enabled":
+            continue
+        o = Observation(
+            now, name, st.active_state, st.sub_state, st.main_pid, False, "not active",
+            switching,
+        )  # fmt: skip
+        if st.active_state == "active":
+            _probe(config, rt, o)
+        out.append(o)
+    return out or [Observation(now, None, None, None, None, False, "no runtime", switching)]
+
+
+def _probe(config: Config, rt: RuntimeConfig, o: Observation) -> None:
+    """Its health, a probe completion, and its own metrics, into the observation."""
     mon = config.monitor
-    healthy, detail, in_flight, generated = False, "no runtime", None, None
-    if runtime is not None and unit_state == "active":
-        watched = config.runtime(runtime)
-        url = runtimes.backend_url(config, watched)
-        probe = health.probe(url + "/health", timeout_s=mon.health_timeout_s)
-        healthy, detail = probe.healthy, f"/health: {probe.detail}"
-        if healthy and mon.probe_completion:
-            model = watched.served_model_name
-            healthy, detail = _probe_completion(url, model, mon.probe_timeout_s)
-        in_flight, generated = health.read_work(url, timeout_s=mon.health_timeout_s)
-    return Observation(
-        now,
-        runtime,
-        unit_state,
-        sub_state,
-        pid,
-        healthy,
-        detail,
-        switch_running(state_dir),
-        in_flight,
-        generated,
-    )
+    url = runtimes.backend_url(config, rt)
+    probe = health.probe(url + "/health", timeout_s=mon.health_timeout_s)
+    o.healthy, o.detail = probe.healthy, f"/health: {probe.detail}"
+    if o.healthy and mon.probe_completion:
+        o.healthy, o.detail = _probe_completion(url, rt.served_model_name, mon.probe_timeout_s)
+    o.in_flight, o.generated = health.read_work(url, timeout_s=mon.health_timeout_s)
+
+
+def fallback_for(config: Config, runtime: str | None) -> str | None:
+    """[monitor] fallback, for a runtime it can replace: one that shares a card with it (a
+    fallback on other cards would not take its place)."""
+    fallback = config.monitor.fallback
+    if fallback is None or runtime is None or runtime not in config.runtimes:
+        return None
+    return fallback if excludes(config.runtime(fallback), config.runtime(runtime)) else None
 
 
 def _probe_completion(url: str, model: str, timeout_s: float) -> tuple[bool, str]:
@@ -100,8 +106,16 @@ def _probe_completion(url: str, model: str, timeout_s: float) -> tuple[bool, str
 
 
 def act(
-    config: Config, scope: Scope, sd: systemd.Systemd, action: Action, m: Memory, log: Any
+    config: Config,
+    scope: Scope,
+    sd: systemd.Systemd,
+    action: Action,
+    m: Memory,
+    log: Any,
+    mine: Memory | None = None,
 ) -> None:
+    """Restart or fail over; counted in `m`; a failed failover backs off `mine` (the runtime's
+    memory, or `m`)."""
     m.last_action = {
         "at": time.time(),
         "what": action.kind,
@@ -125,7 +139,7 @@ def act(
         m.last_action["result"] = f"{action.runtime} is serving"
     except ApplianceError as e:
         m.last_action["result"] = f"failover failed: {e.message}"
-        m.hold_until = time.time() + FAILOVER_BACKOFF_S
+        (mine or m).hold_until = time.time() + FAILOVER_BACKOFF_S
         log(f"failover to {action.runtime} failed: {e.message}; again in {FAILOVER_BACKOFF_S} s")
 
 
@@ -193,9 +207,10 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
         where = f"http://{mon.host}:{mon.port}"
         log(f"monitoring every {mon.interval_s:g} s; status page on {where}/, metrics on /metrics")
     trouble: str | None = None  # what made the last sample fail, logged once while it lasts
+    watched: dict[str, Memory] = {}  # each runtime's failures in a row, restarts, backoff
     while True:
         try:
-            doc = sample(config, scope, lay, m, exporter, log)
+            doc = sample(config, scope, lay, m, exporter, log, watched)
         except (ApplianceError, OSError) as e:
             # A sample that fails (an unreachable manager, a state directory that cannot be
             # written) is logged, not fatal: the monitor watches on and tries again next time.
@@ -215,23 +230,42 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
 
 
 def sample(
-    config: Config, scope: Scope, lay: Layout, m: Memory, exporter: Any, log: Any
+    config: Config,
+    scope: Scope,
+    lay: Layout,
+    m: Memory,
+    exporter: Any,
+    log: Any,
+    watched: dict[str, Memory] | None = None,
 ) -> dict[str, Any]:
-    """One sample: recover a killed switch, observe, judge and act, export, save."""
+    """One sample: recover a killed switch, observe each runtime, judge and act on each (its
+    failures in a row are its own, in `watched`), export, save. The counters are `m`'s."""
     mon = config.monitor
+    watched = {} if watched is None else watched
     with systemd.connect(scope) as sd:
         recover_killed_switch(config, sd, lay.state_dir)
-        o = observe(config, sd, lay.state_dir)
-        action = judge(m, o, mon.hang_after, mon.restart_tries, mon.fallback)
-        if action:
-            act(config, scope, sd, action, m, log)
-            save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
+        observed = observe(config, sd, lay.state_dir)
+        for o in observed:
+            mine = watched.setdefault(o.runtime or "", Memory(runtime=o.runtime))
+            action = judge(
+                mine, o, mon.hang_after, mon.restart_tries, fallback_for(config, o.runtime)
+            )
+            if mine.last_failure and mine.last_failure != m.last_failure:
+                m.last_failure = mine.last_failure
+            if action:
+                act(config, scope, sd, action, m, log, mine)
+                save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
         units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
         units[PROXY_UNIT] = sd.state(PROXY_UNIT)
+    o = observed[0]  # the first runtime by name: the one the metrics and the ring describe
+    first = watched[o.runtime or ""]
+    m.runtime, m.failures, m.restarts = first.runtime, first.failures, first.restarts
     proxy = health.probe(
         runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
     )
     snap = gpu.snapshot(gpu.sysroot())
     exporter.update(o, m, units, proxy.healthy, snap, lay.state_dir)
     samples.append(lay.state_dir, samples.sample_of(o, exporter.snapshot["held"].now, snap))
-    return save(lay.state_dir, m, o, log)
+    doc = save(lay.state_dir, m, o, log)
+    doc["observations"] = [asdict(each) for each in observed]
+    return doc

@@ -23,11 +23,24 @@ USER_MANAGER = str(REPO / "scripts" / "user-manager")
 class Demo:
     env: dict[str, str]  # reaches the private manager
     b70ctl: list[str]  # b70ctl --user --config CONFIG
+    proxy_port: int = 0
+    backend_port: int = 0
+
+    @property
+    def key_file(self) -> Path:
+        return Path(self.env["XDG_CONFIG_HOME"]) / "b70" / "proxy.env"
+
+    @property
+    def key(self) -> str:
+        return self.key_file.read_text().split("=", 1)[1].strip()
 
 
 @contextmanager
-def demo_appliance(cache: str, extra: str = "", prefix: str = "b70-bench.") -> Iterator[Demo]:
-    """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML."""
+def demo_appliance(
+    cache: str, extra: str = "", prefix: str = "b70-bench.", key_from: Path | None = None
+) -> Iterator[Demo]:
+    """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML; with
+    `key_from`, that proxy.env's key (a fleet shares one)."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
     subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)
@@ -35,11 +48,18 @@ def demo_appliance(cache: str, extra: str = "", prefix: str = "b70-bench.") -> I
         key, value = line.removeprefix("export ").split("=", 1)
         env[key] = value
     text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
-    text = text.replace("port = 8000", f"port = {free_port()}")
-    text = text.replace("port = 8001", f"port = {free_port()}")
+    proxy_port, backend_port = free_port(), free_port()
+    text = text.replace("port = 8000", f"port = {proxy_port}")
+    text = text.replace("port = 8001", f"port = {backend_port}")
+    if "[monitor]" not in extra:  # a monitor of its own, beside any other appliance
+        text += f"\n[monitor]\nport = {free_port()}\n"
     config = root / "appliance.toml"
     config.write_text(text + extra)
-    demo = Demo(env, [B70CTL, "--user", "--config", str(config)])
+    demo = Demo(env, [B70CTL, "--user", "--config", str(config)], proxy_port, backend_port)
+    if key_from is not None:
+        demo.key_file.parent.mkdir(parents=True, exist_ok=True)
+        demo.key_file.write_bytes(key_from.read_bytes())
+        demo.key_file.chmod(0o600)
     try:
         subprocess.run([*demo.b70ctl, "install"], env=env, check=True, capture_output=True)
         yield demo

@@ -85,7 +85,7 @@ async def _steady_worker(
         writer.close()
 
 
-async def _steady(
+async def steady_run(
     port: int, key: str, model: str, streams: int, tokens: int, seconds: float
 ) -> dict[str, float]:
     totals = {"chunks": 0.0, "ok": 0.0, "failed": 0.0}
@@ -102,7 +102,7 @@ def steady(
     port: int, key: str, model: str, streams: int, tokens: int, seconds: float
 ) -> dict[str, float]:
     """Chunks, requests ok and failed, and the wall time of a steady load."""
-    return asyncio.run(_steady(port, key, model, streams, tokens, seconds))
+    return asyncio.run(steady_run(port, key, model, streams, tokens, seconds))
 
 
 # --- arrivals ------------------------------------------------------------------------------------

@@ -5,8 +5,11 @@ model) needs both too, so its failed start must bring both back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,7 +19,7 @@ from typing import Any
 import pytest
 
 from b70tools.net import free_port
-from tests.conftest import B70CTL, GGUF, LLAMA_SERVER, Appliance, appliance_on_cards
+from tests.conftest import B70CTL, GGUF, LLAMA_SERVER, Appliance, appliance_on_cards, live_pid
 
 SLOTS = ["0000:03:00.0", "0000:07:00.0"]
 
@@ -48,6 +51,9 @@ cards = {json.dumps(SLOTS)}
 [monitor]
 port = {monitor}
 probe_completion = false
+interval_s = 1
+health_timeout_s = 1
+hang_after = 2
 """
         + runtime("chat", "[0]", chat)
         + runtime("second", "[1]", second, extra='served_model_name = "second"')
@@ -159,6 +165,28 @@ def test_a_failed_switch_over_two_cards_brings_both_runtimes_back(app: Appliance
     assert "rolled back: chat, second are serving again" in out.stderr
     assert app.json("status")["result"]["active_runtimes"] == ["chat", "second"]
     assert ask(app, "smollm2").choices[0].message.content
+    assert ask(app, "second").choices[0].message.content
+
+
+def test_the_monitor_watches_each_runtime_and_restarts_the_one_that_hangs(app: Appliance) -> None:
+    """`second` is not the first runtime by name: a monitor that watched one runtime only would
+    never see it hang."""
+    app.b70ctl("switch", "chat", check=True)
+    app.b70ctl("switch", "second", check=True)
+    chat, before = live_pid(app, "b70-chat.service"), live_pid(app, "b70-second.service")
+    os.kill(before, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 60
+        while live_pid(app, "b70-second.service") == before:
+            assert time.monotonic() < deadline, "the hung runtime was not restarted"
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(before, signal.SIGCONT)
+    app.b70ctl("switch", "second", check=True)  # serving again (waits for the restart)
+    assert live_pid(app, "b70-chat.service") == chat, "the runtime beside it was left alone"
+    action = app.json("status")["result"]["monitor"]["last_action"]
+    assert action["what"] == "restart" and action["runtime"] == "second", action
     assert ask(app, "second").choices[0].message.content
 
 

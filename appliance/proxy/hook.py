@@ -160,6 +160,7 @@ class HoldHook(CustomLogger):
         ticket = hold_mark.TICKET.get()
         first = self.gate_for(None)
         start = first.clock()
+        limit = first.hold_s if _peer_limit() is None else 0.0
         while True:
             if ticket is not None:
                 ticket.close()
@@ -170,12 +171,12 @@ class HoldHook(CustomLogger):
                 if target is not None:
                     return target
             waited = first.clock() - start
-            if waited >= first.hold_s:
+            if waited >= limit:
                 if ticket is not None:
                     ticket.close()
                 retry = max(1, round(min(first.hold_s / 4, 30)))
                 raise HoldTimeout(f"no replica of {group} serves", waited, retry)
-            await first.sleep(min(POLL_S, first.hold_s - waited))
+            await first.sleep(min(POLL_S, limit - waited))
 
     def _counted(
         self, deployment: Any, group: str, ticket: hold_mark.Ticket | None, state_dir: Path
@@ -252,7 +253,7 @@ class HoldHook(CustomLogger):
             return data  # several replicas: the router's choice leaves out those held or down
         try:
             gate = self.gate_for(model if isinstance(model, str) else None)
-            await gate.wait(token if isinstance(token, str) else None)
+            await gate.wait(token if isinstance(token, str) else None, limit_s=_peer_limit())
         except HoldTimeout as e:
             # LiteLLM's own error type: every route (chat, completions, streaming or not) keeps
             # its status, headers and message as they are.
@@ -332,7 +333,8 @@ async def wait_ready(limit_s: float, token: str | None) -> float | None:
     gate = hold.gate_for(_asked())
     gate.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
     try:
-        return await gate.wait(token, limit_s=limit_s)
+        peer = _peer_limit()
+        return await gate.wait(token, limit_s=limit_s if peer is None else peer)
     except HoldTimeout:
         return None
 
@@ -342,7 +344,14 @@ async def hold_request(token: str | None) -> float:
     /health. The request's own connection says whether the runtime serves (refused, or 503
     while it loads), and the door then holds it with wait_ready; no request waits for a probe,
     nor shares its worker with one, while the runtime answers."""
-    return await hold.gate_for(_asked()).wait(token, health=False)
+    return await hold.gate_for(_asked()).wait(token, health=False, limit_s=_peer_limit())
+
+
+def _peer_limit() -> float | None:
+    """How long a request may wait here: not at all when a peer's front door sent it (a 503
+    now, and that door routes it to another box); else the hold time (None)."""
+    ticket = hold_mark.TICKET.get()
+    return 0.0 if ticket is not None and ticket.from_peer else None
 
 
 def _asked() -> str | None:
