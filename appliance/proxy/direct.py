@@ -32,7 +32,7 @@ import sys
 import urllib.parse
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import h11
 
@@ -85,6 +85,24 @@ class Target:
     model: str
     headers: tuple[tuple[str, str], ...] = ()  # a peer's: its key, and that it comes from a peer
     deployment_id: str | None = None  # the router's id of it, for its cooldown
+
+
+class Replicas(Protocol):
+    """LiteLLM's router choosing among a model's several deployments on the appliance's runtimes
+    (replicas, one per card), for the door to send the request there itself."""
+
+    async def choose(self, model: str, token: str | None) -> Target | None:
+        """The replica the router picks among those that serve now (a switch's own request:
+        among those it holds); None when the name is not such a set (the door's other ways
+        take it). Waits while none serves; raises HoldTimeout when the hold time runs out."""
+        ...
+
+    def refused(self, target: Target) -> None:
+        """The replica refused the request before its first byte: left out for a moment."""
+        ...
+
+
+MAX_REPLICA_TRIES = 8  # replicas tried for one request before it goes LiteLLM's full way
 
 
 def origin_of(

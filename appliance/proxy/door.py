@@ -51,7 +51,7 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from appliance.proxy import direct, hold
 from appliance.proxy.asgi import ASGIApp, Receive, Send, log
@@ -67,23 +67,6 @@ Hold = Callable[[str | None], Awaitable[float]]
 # Where a model name's one deployment is served, when the door may send it there itself.
 Direct = Callable[[str], direct.Target | None]
 
-
-class Replicas(Protocol):
-    """LiteLLM's router choosing among a model's several deployments on the appliance's runtimes
-    (replicas, one per card), for the door to send the request there itself."""
-
-    async def choose(self, model: str, token: str | None) -> direct.Target | None:
-        """The replica the router picks among those that serve now (a switch's own request:
-        among those it holds); None when the name is not such a set (the door's other ways
-        take it). Waits while none serves; raises HoldTimeout when the hold time runs out."""
-        ...
-
-    def refused(self, target: direct.Target) -> None:
-        """The replica refused the request before its first byte: left out for a moment."""
-        ...
-
-
-MAX_REPLICA_TRIES = 8  # replicas tried for one request before it goes LiteLLM's full way
 
 MIB = 1024 * 1024
 BYPASS_HEADER = hold.BYPASS_HEADER.encode()
@@ -191,7 +174,7 @@ class Door:
         direct_to: Direct | None = None,
         answer_layers: Callable[[ASGIApp], ASGIApp] = lambda app: app,
         backend_of: Callable[[str], Backend | None] | None = None,
-        replicas: Replicas | None = None,
+        replicas: direct.Replicas | None = None,
         readiness: Readiness | None = None,
     ) -> None:
         self.app = app
@@ -315,7 +298,7 @@ class Door:
         another if that one refuses before its first byte. True: answered; False: it goes the
         full way; None: the name is not such a set."""
         assert self.replicas is not None
-        for _ in range(MAX_REPLICA_TRIES):
+        for _ in range(direct.MAX_REPLICA_TRIES):
             target = await self.replicas.choose(checked.model, token)
             if target is None:
                 return None

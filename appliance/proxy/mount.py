@@ -24,7 +24,6 @@ from appliance.proxy.door import (
     Door,
     Hold,
     Readiness,
-    Replicas,
 )
 from appliance.proxy.relay import WaitReady
 
@@ -194,7 +193,7 @@ def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
 def install_in_proxy(
     wait_ready: WaitReady | None = None,
     hold: Hold | None = None,
-    replicas: Replicas | None = None,
+    replicas: direct.Replicas | None = None,
     env: Mapping[str, str] = os.environ,
     readiness: Readiness | None = None,
 ) -> Runtimes | None:

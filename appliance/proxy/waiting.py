@@ -17,6 +17,7 @@ from pathlib import Path
 from appliance.proxy.hold import TICKET, HeldCounts, Mark, OpenRequests, read_mark, write_counts
 
 POLL_S = 0.2
+HEALTH_TIMEOUT_S = 2.0  # a /health (or a peer's readiness) that takes longer is busy, not down
 HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is asked again
 # ... and for this long after, a request goes on while /health is asked again beside it, so no
 # request waits for a probe while the runtime serves. A runtime that died in that time fails the
