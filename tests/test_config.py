@@ -313,7 +313,48 @@ REACH = [
         "runtimes.vllm.devices[0]: 'dri' must start with an absolute path",
     ),
 ]
-BAD += REACH
+PEERS = [
+    (
+        "peer without a port",
+        GOOD + '[peers]\nurls = ["http://10.0.0.2"]\n',
+        "peers.urls[0]: 'http://10.0.0.2' has no port",
+    ),
+    (
+        "peer over https",
+        GOOD + '[peers]\nurls = ["https://10.0.0.2:8000"]\n',
+        "peers.urls[0]: 'https://10.0.0.2:8000' is not an http://HOST:PORT",
+    ),
+    (
+        "peer with a path",
+        GOOD + '[peers]\nurls = ["http://10.0.0.2:8000/v1"]\n',
+        "only http://HOST:PORT",
+    ),
+    (
+        "peer twice",
+        GOOD + '[peers]\nurls = ["http://a:8000", "http://a:8000"]\n',
+        "peers.urls[1]: http://a:8000 is listed twice",
+    ),
+    (
+        "redis without peers",
+        GOOD + '[peers]\nredis_host = "10.0.0.9"\n',
+        "peers.redis_host: is for front doors with peers",
+    ),
+    (
+        "peers without the door's way",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\npass_through = false')
+        + '[peers]\nurls = ["http://a:8000"]\n',
+        "peers need proxy.pass_through",
+    ),
+    (
+        "replicas named like a runtime",
+        GOOD.replace(
+            'model = "/models/hf"',
+            'model = "/models/hf"\ncards = [0, 1]\nper_card = true\n[runtimes.vllm-1]\nengine = "vllm"\nmodel = "/m"\ncards = [2]\nport = 8009',
+        ),
+        "runtimes.vllm.per_card: its replica on card 1 would be named 'vllm-1'",
+    ),
+]
+BAD += REACH + PEERS
 
 
 def test_the_examples_load() -> None:

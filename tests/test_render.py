@@ -249,3 +249,38 @@ def test_preflight_knows_installed_files_are_current_without_rendering(tmp_path:
     assert not installed_as_rendered(cfg, lay, names), "a file changed since install"
     with pytest.raises(ApplianceError, match=r"litellm\.yaml differs from what"):
         preflight.check_installed(cfg, lay, names)
+
+
+def test_peers_are_deployments_of_the_same_names_and_the_proxy_may_reach_them(
+    tmp_path: Path,
+) -> None:
+    """[peers]: each name this box serves, at each peer's proxy with the fleet's key, the
+    router's retries and cooldowns, the shared Redis; the proxy unit is not loopback-only."""
+    import yaml
+
+    loopback = B70.read_text().replace('host = "0.0.0.0"', 'host = "127.0.0.1"', 1)
+    path = tmp_path / "fleet.toml"
+    path.write_text(loopback)
+    alone = render_all(config.load(path), layout(Scope.SYSTEM))["b70-litellm.service"]
+    assert "IPAddressDeny=any" in alone, "a loopback proxy without peers talks to loopback only"
+    path.write_text(
+        loopback + '\n[peers]\nurls = ["http://10.0.0.2:8000", "http://10.0.0.3:8000"]\n'
+        'redis_host = "10.0.0.9"\ncooldown_s = 7\n'
+    )
+    files = render_all(config.load(path), layout(Scope.SYSTEM))
+    doc = yaml.safe_load(files["litellm.yaml"])
+    peers = [d for d in doc["model_list"] if d["litellm_params"]["model"].startswith("openai/")]
+    assert [(d["model_name"], d["litellm_params"]["api_base"]) for d in peers] == [
+        ("qwen3.6-35b-a3b", "http://10.0.0.2:8000/v1"),
+        ("qwen3.6-35b-a3b", "http://10.0.0.3:8000/v1"),
+    ]
+    assert {d["litellm_params"]["api_key"] for d in peers} == {"os.environ/LITELLM_MASTER_KEY"}
+    assert doc["router_settings"] | {"model_group_alias": None} == {
+        "model_group_alias": None, "num_retries": 2, "allowed_fails": 1, "cooldown_time": 7,
+        "redis_host": "10.0.0.9", "redis_port": 6379,
+    }  # fmt: skip
+    proxy = files["b70-litellm.service"]
+    assert "B70_PEER_URL=http://10.0.0.2:8000 http://10.0.0.3:8000" in proxy
+    assert "IPAddressDeny" not in proxy
+    units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
+    assert analyze_verify(verify_root(tmp_path, files), units) == ""
