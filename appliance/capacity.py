@@ -188,6 +188,53 @@ def weight_bytes(p: Params, quant: str, dtype: str) -> int:
     return int(linear * per_linear + (p.embed + p.lm_head) * dense)
 
 
+# vLLM's defaults for its OpenAI server on a card under 70 GiB (EngineArgs._set_default_args
+# in vllm/engine/arg_utils.py): the start-up profile runs this many tokens at once.
+DEFAULT_BATCHED_TOKENS = 2048
+DEFAULT_MAX_SEQS = 256
+
+
+def profile_peak_bytes(s: Shape, cards: int, batched_tokens: int, max_seqs: int, dtype: str) -> int:
+    """What vLLM's start-up profile holds at its peak beyond the weights, on each card: vLLM
+    keeps it back from the cache.
+
+    vLLM sizes the cache as utilization x total, less what the profile consumed and less its
+    transient peak (Worker.determine_available_memory in vllm/v1/worker/gpu_worker.py, which
+    the XPU worker uses; memory_profiling in vllm/utils/mem_utils.py). The profile is one
+    forward of `batched_tokens` tokens, then the sampler on `max_seqs` rows
+    (GPUModelRunner.profile_run, _dummy_run and _dummy_sampler_run in
+    vllm/v1/worker/gpu/model_runner.py). Activations live one layer at a time, so the peak is
+    the largest layer's, beside the hidden states and the residual:
+    - a MoE layer, as the XPU fused-MoE kernel lays it out (XpuFusedMoe._apply_kernel in
+      vllm-xpu-kernels' fused_moe_interface.py), for R = tokens x experts per token: the
+      tokens regrouped by expert (R x hidden), the gate-up output (R x 2 x intermediate), its
+      activation (R x intermediate), the down output (R x hidden), and three tokens x hidden
+      copies (the masked input, the output, the residual);
+    - a dense MLP: its gate-up output, activation and down output, the same way;
+    - a GDN layer: its input projection (in_proj_qkvz) and two value-wide outputs; the GDN
+      kernels themselves do not run in the profile (_gdn_attention_core_xpu_impl in
+      vllm/_xpu_ops.py returns without attention metadata);
+    - a full-attention layer: its q, k and v;
+    - the sampler's logits, in fp32.
+    What this does not hold: memory outside torch (the runtime's own), and the graph pool vLLM
+    estimates before the cache when it captures graphs."""
+    if batched_tokens <= 0:
+        return 0
+    m, b, h = batched_tokens, DTYPE_BYTES[dtype], s.hidden
+    if s.experts:
+        r, inter = m * s.experts_per_tok, -(-s.moe_inter // cards)
+        mlp = r * h + r * 2 * inter + r * inter + r * h + 3 * m * h
+    else:
+        inter = -(-s.dense_inter // cards)
+        mlp = m * 2 * inter + m * inter + m * h + 3 * m * h
+    key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
+    gdn = m * (2 * key_dim + 2 * value_dim) // cards + 2 * m * value_dim // cards
+    attention = m * (s.heads + 2 * s.kv_heads) * s.head_dim // cards
+    layer = max(mlp, gdn if s.linear_layers else 0, attention) * b + 2 * m * h * b
+    logits = max_seqs * s.vocab * 4
+    return int(max(layer, logits))
+
+
 def distinct_experts(experts: int, per_tok: int, batch: int) -> float:
     """Expected experts a layer touches for `batch` tokens, each picking `per_tok` of them."""
     if experts == 0:
@@ -208,6 +255,7 @@ class Plan:
     weight_bytes_per_card: int
     cpu_offload_bytes: int  # per card
     budget_bytes: int  # per card: for the cache, after weights and the reserve
+    profile_bytes: int  # per card: the start-up profile's peak, kept back from the cache
     requests_fit: int  # as vLLM lays out the cache (paging)
     paging: paging.Paging
     steps: list[dict[str, float]]
@@ -231,11 +279,15 @@ def plan(
     cards: int = 1,
     block_align: int = paging.DEFAULT_ALIGN,
     cache_bytes: int | None = None,
+    batched_tokens: int = 0,
+    max_seqs: int = DEFAULT_MAX_SEQS,
 ) -> Plan:
     """`cpu_offload_bytes` and `reserve_bytes` are per card, as vLLM's --cpu-offload-gb is;
     `offload_embeddings_only`: --cpu-offload-params embed_tokens, which offloads no more than
     the embedding's share on each card. `cache_bytes`: the cache of each card as vLLM measured
-    it ("Available KV cache memory" in its log), instead of the budget worked out here."""
+    it ("Available KV cache memory" in its log), instead of the budget worked out here.
+    `batched_tokens`, `max_seqs`: vLLM's --max-num-batched-tokens and --max-num-seqs, which
+    size its start-up profile (profile_peak_bytes; 0 tokens: none kept back)."""
     _check_choices(dtype=dtype, kv_dtype=kv_dtype, state_dtype=state_dtype, quant=quant)
     s = parse_shape(cfg)
     p = count_params(s)
@@ -250,7 +302,8 @@ def plan(
     if offload_embeddings_only:
         offload = min(offload, int(p.embed * DTYPE_BYTES[dtype]) // cards)
     offload = min(offload, per_card)
-    budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes
+    profile = profile_peak_bytes(s, cards, batched_tokens, max_seqs, dtype)
+    budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes - profile
     if cache_bytes is not None:
         budget = cache_bytes
     pages = paging.layout(
@@ -273,7 +326,7 @@ def plan(
     ]
     return Plan(
         p.total, active, weights, gdn, conv, kv, request, cards, per_card, offload, budget,
-        pages.requests_fit, pages, steps,
+        profile, pages.requests_fit, pages, steps,
     )  # fmt: skip
 
 
@@ -351,6 +404,8 @@ def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
         cards=options.get("cards", 1),
         block_align=options.get("block_align", paging.DEFAULT_ALIGN),
         cache_bytes=int(cache_gib * GIB) if (cache_gib := options.get("kv_cache_gib")) else None,
+        batched_tokens=options.get("batched_tokens", DEFAULT_BATCHED_TOKENS),
+        max_seqs=options.get("max_seqs", DEFAULT_MAX_SEQS),
     )
 
 
@@ -377,3 +432,10 @@ def check_sizes(options: Mapping[str, Any]) -> None:
     for batch in options.get("batches") or ():
         if batch < 1:
             raise ApplianceError(f"--batch {batch} must be at least 1", code="plan_input_invalid")
+    for key, flag, lowest in (("batched_tokens", "--max-num-batched-tokens", 0),
+                              ("max_seqs", "--max-num-seqs", 1)):  # fmt: skip
+        count = options.get(key)
+        if count is not None and count < lowest:
+            raise ApplianceError(
+                f"{flag} {count} must be {lowest} or more", code="plan_input_invalid"
+            )

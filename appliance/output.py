@@ -236,6 +236,8 @@ def render_plan(p: Any, compared: Any = None) -> str:
         f"cards                  {p.cards} ({g.kv_heads_per_card} KV heads on {card})",
         f"{'weights on ' + card:<23}{size(p.weight_bytes_per_card)} "
         f"({size(p.cpu_offload_bytes)} of them offloaded to the CPU)",
+        f"{'profile on ' + card:<23}{size(p.profile_bytes)} "
+        "(the peak of vLLM's start-up profile, kept back from the cache)",
         f"{'cache on ' + card:<23}{size(p.budget_bytes)}",
         f"vLLM's cache           block {g.block_size} tokens, page {g.page_bytes / mib:.2f} MiB"
         + (f" (GDN state padded {g.state_padding:.2%})" if g.state_groups else ""),

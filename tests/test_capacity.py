@@ -306,3 +306,35 @@ def test_plan_against_an_address_where_nothing_answers_is_a_clear_error(tmp_path
     assert out.exit_code == 1 and "Traceback" not in out.output + out.stderr
     assert f"error: http://127.0.0.1:{port}: connection refused" in out.stderr
     assert "--compare takes a running vLLM's address" in out.stderr
+
+
+def test_the_start_up_profile_peak_of_the_recipe_by_hand() -> None:
+    """8192 tokens at once, 8 experts each (R = 65536 rows), hidden 2048, expert width 512, in
+    fp16: regrouped rows 256 MiB, gate-up 128 MiB, activation 64 MiB, down 256 MiB, three
+    8192 x 2048 copies 96 MiB; beside them the hidden states and the residual, 64 MiB. The MoE
+    layer is the largest (a GDN layer's projections are 320 MiB); the sampler's 64 x 248320 fp32
+    logits (61 MiB) are smaller."""
+    s = capacity.parse_shape(cfg())
+    peak = capacity.profile_peak_bytes(s, 1, 8192, 64, "fp16")
+    assert peak == (256 + 128 + 64 + 256 + 96 + 64) * MIB
+    assert capacity.profile_peak_bytes(s, 1, 0, 64, "fp16") == 0
+    two = capacity.profile_peak_bytes(s, 2, 8192, 64, "fp16")
+    assert two == (256 + 64 + 32 + 256 + 96 + 64) * MIB, "the experts' width splits over cards"
+    recipe = dict(
+        quant="gptq-int4", dtype="fp16", kv_dtype="fp8", utilization=0.82, tokens=1024,
+        cpu_offload_bytes=4 * 1024**3, offload_embeddings_only=True, max_seqs=64,
+    )  # fmt: skip
+    kept = capacity.plan(cfg(), **recipe, state_dtype="fp32", batched_tokens=8192)  # type: ignore[arg-type]
+    none = capacity.plan(cfg(), **recipe, state_dtype="fp32", batched_tokens=0)  # type: ignore[arg-type]
+    assert none.budget_bytes - kept.budget_bytes == peak == kept.profile_bytes
+    assert kept.requests_fit < none.requests_fit
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [(["--max-num-batched-tokens", "-1"], "--max-num-batched-tokens -1 must be 0 or more"),
+     (["--max-num-seqs", "0"], "--max-num-seqs 0 must be 1 or more")],
+)  # fmt: skip
+def test_profile_sizes_that_cannot_be_are_refused(option: list[str], message: str) -> None:
+    out = CliRunner().invoke(cli, ["plan", str(HYBRID), *option])
+    assert out.exit_code == 1 and message in out.stderr

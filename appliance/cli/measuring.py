@@ -80,6 +80,23 @@ from appliance.errors import ApplianceError
     help="Memory kept for activations and workspace.",
 )
 @click.option(
+    "--max-num-batched-tokens",
+    "batched_tokens",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="As vLLM's (its default for a card under 70 GiB): the tokens of its start-up profile, "
+    "whose peak vLLM keeps back from the cache; 0: none.",
+)
+@click.option(
+    "--max-num-seqs",
+    "max_seqs",
+    type=int,
+    default=256,
+    show_default=True,
+    help="As vLLM's: the rows of the sampler in its start-up profile.",
+)
+@click.option(
     "--kv-cache-gib",
     type=float,
     help="The cache of each card as vLLM measured it (its log's 'Available KV cache memory'), "
