@@ -143,6 +143,6 @@ def test_a_peer_that_switches_or_is_down_is_routed_around(fleet: Fleet) -> None:
     s = report.summary()
     print(load_test.render_summary(s))
     assert s["all"]["failed"] == 0 and s["all"]["truncated"] == 0, s["errors"]
-    assert s["all"]["succeeded"] >= 40
+    assert s["all"]["succeeded"] >= 24
     assert 503 in seen and seen[0] == 200, "B said it was not ready while it switched and was down"
     assert readiness(fleet.peer) == 200
