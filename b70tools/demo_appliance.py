@@ -37,10 +37,16 @@ class Demo:
 
 @contextmanager
 def demo_appliance(
-    cache: str, extra: str = "", prefix: str = "b70-bench.", key_from: Path | None = None
+    cache: str,
+    extra: str = "",
+    prefix: str = "b70-bench.",
+    key_from: Path | None = None,
+    threads: int = 2,
 ) -> Iterator[Demo]:
     """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML; with
-    `key_from`, that proxy.env's key (a fleet shares one)."""
+    `key_from`, that proxy.env's key (a fleet shares one); llama-server on `threads` threads
+    (two boxes on one 2-core machine want 1 each: llama.cpp's threads spin while they wait for
+    each other, and two servers of 2 threads on 2 cores slow each other to a crawl)."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
     subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)
@@ -48,6 +54,7 @@ def demo_appliance(
         key, value = line.removeprefix("export ").split("=", 1)
         env[key] = value
     text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
+    text = text.replace('"--threads", "2"', f'"--threads", "{threads}"')
     proxy_port, backend_port = free_port(), free_port()
     text = text.replace("port = 8000", f"port = {proxy_port}")
     text = text.replace("port = 8001", f"port = {backend_port}")

@@ -42,30 +42,41 @@ class Answer:
     ok: bool
     events: int  # content events, less the last and [DONE]
     first: float | None  # when the first event arrived (time.monotonic)
+    keep: bool = True  # the server keeps the connection open for the next request
+    answered: bool = True  # False: the server closed the connection before any answer
 
 
 async def read_answer(reader: asyncio.StreamReader) -> Answer:
     status = await reader.readline()
-    chunked, length = False, 0
+    if not status:  # closed before an answer: the request was not taken
+        return Answer(False, 0, None, keep=False, answered=False)
+    chunked, length, keep = False, 0, True
     while (line := await reader.readline()) not in (b"\r\n", b""):
         name, _, value = line.decode("latin-1").partition(":")
         if name.lower() == "transfer-encoding" and "chunked" in value.lower():
             chunked = True
         elif name.lower() == "content-length":
             length = int(value)
+        elif name.lower() == "connection" and "close" in value.lower():
+            keep = False  # llama-server closes after each streamed answer
     events, done, first = 0, False, None
     if chunked:
-        while size := int((await reader.readline()).split(b";")[0], 16):
+        while size_line := (await reader.readline()).split(b";")[0].strip():
+            if not (size := int(size_line, 16)):
+                break
             data = await reader.readexactly(size + 2)
             if first is None and b"data: " in data:
                 first = time.monotonic()
             events += data.count(b"data: ")
             done = done or b"data: [DONE]" in data
+        else:  # the connection ended before the last chunk: whole only if [DONE] came
+            whole = done and b" 200 " in status
+            return Answer(whole, max(events - 2, 0) if whole else 0, first, keep=False)
         await reader.readline()
     else:
         await reader.readexactly(length)
     ok = b" 200 " in status and done
-    return Answer(ok, max(events - 2, 0) if ok else 0, first)
+    return Answer(ok, max(events - 2, 0) if ok else 0, first, keep)
 
 
 # --- steady --------------------------------------------------------------------------------------
@@ -74,15 +85,19 @@ async def read_answer(reader: asyncio.StreamReader) -> Answer:
 async def _steady_worker(
     port: int, request: bytes, deadline: float, totals: dict[str, float]
 ) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while time.monotonic() < deadline:
-            writer.write(request)
-            answer = await read_answer(reader)
-            totals["chunks"] += answer.events
-            totals["ok" if answer.ok else "failed"] += 1
-    finally:
-        writer.close()
+    """Requests one after another, on one connection while the server keeps it open."""
+    while time.monotonic() < deadline:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            answer = Answer(True, 0, None)
+            while answer.keep and time.monotonic() < deadline:
+                writer.write(request)
+                answer = await read_answer(reader)
+                totals["chunks"] += answer.events
+                if answer.answered:  # not a connection the server had closed meanwhile
+                    totals["ok" if answer.ok else "failed"] += 1
+        finally:
+            writer.close()
 
 
 async def steady_run(
