@@ -34,6 +34,7 @@ from appliance.layout import (
     Scope,
     cache_name,
 )
+from appliance.proxy.hold import PEER_HEADER
 
 RESTART_SEC = 5
 
@@ -277,6 +278,7 @@ def render_proxy_config(config: Config, lay: Layout) -> str:
         proxy=config.proxy,
         deployments=list(runtimes.deployments(config).values()),
         peers=runtimes.peer_deployments(config),
+        peer_header=PEER_HEADER,
         cooldown_s=f"{config.peers.cooldown_s:g}",
         redis_host=config.peers.redis_host,
         redis_port=config.peers.redis_port,

@@ -90,7 +90,7 @@ ROUTES |= {
 MODEL_PREFIXES = ("/models/", "/v1/models/")  # GET /v1/models/{model}, a model served here
 # Answered by the door itself: whether this box's own runtimes serve (peers' front doors ask it)
 READINESS_PATH = "/health/readiness"
-PEER_HEADER = b"x-b70-peer"  # a request a peer's front door sent here
+PEER_HEADER = hold.PEER_HEADER.encode()
 # Whether this box serves, and per name "ready", "switching" or "down".
 Readiness = Callable[[], Awaitable[tuple[bool, dict[str, str]]]]
 

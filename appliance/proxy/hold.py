@@ -29,6 +29,9 @@ from pathlib import Path
 HOLD_FILE = "hold.json"
 HELD_DIR = "held"
 BYPASS_HEADER = "x-b70-hold-token"
+# On a request a peer appliance's front door sends: this box answers it from its own runtimes,
+# and at once (appliance.proxy.routing)
+PEER_HEADER = "x-b70-peer"
 
 
 @dataclass(frozen=True)

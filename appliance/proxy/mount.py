@@ -25,6 +25,7 @@ from appliance.proxy.door import (
     Hold,
     Readiness,
 )
+from appliance.proxy.hold import PEER_HEADER
 from appliance.proxy.relay import WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -69,7 +70,6 @@ def direct_to(backend_urls: Collection[str]) -> Direct:
 
 
 PEER_PROVIDER = "openai/"  # a peer's proxy, as rendered (templates/litellm.yaml.j2)
-PEER_HEADER = "x-b70-peer"  # sent to a peer: its router keeps the request on its own runtimes
 
 
 class Runtimes:
