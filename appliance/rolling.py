@@ -41,7 +41,8 @@ def rolling(one: Switch, group: str, names: tuple[str, ...]) -> SwitchResult:
                 f"{switched}; the other replicas were not touched",
                 recorded=True,
             )
-    previous = sorted({p for r in done if r.previous for p in r.previous.split(", ")})
+    # What served before: the replicas each switch stopped (a replica that already served, itself)
+    previous = sorted({p for r in done for p in r.stopped or ([r.previous] if r.previous else [])})
     return SwitchResult(
         target=group,
         previous=group_name(one, previous),
