@@ -27,6 +27,7 @@ from appliance.layout import (
     cache_name,
     layout,
 )
+from appliance.placement import excludes
 from appliance.render import render_all, stamp
 from appliance.state import ensure_key
 from appliance.units import (
@@ -230,7 +231,12 @@ def _write(
     runtime_units = [rt.unit for rt in config.runtimes.values()]
     enabled = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
     to_enable = [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
-    boot = [rt.name for rt in config.runtimes.values() if rt.unit in enabled]
+    # The runtimes enabled at boot, by name, less any that shares a card with one before it
+    # (systemd would start only one of two that conflict): side by side, or replicas.
+    boot: list[str] = []
+    for _, rt in sorted(config.runtimes.items()):
+        if rt.unit in enabled and not any(excludes(rt, config.runtime(b)) for b in boot):
+            boot.append(rt.name)
     boot = boot or list(config.members(config.default_runtime))
     to_enable += [] if enabled else [config.runtime(name).unit for name in boot]
     sd.enable(to_enable)
