@@ -229,6 +229,17 @@ class Appliance:
         return reply.choices[0].message.content or ""
 
 
+def llamacpp_counter(port: int, name: str) -> float:
+    """A counter of llama-server's own metrics on `port`, such as tokens_predicted_total."""
+    from appliance import health
+
+    answer = health.request("GET", f"http://127.0.0.1:{port}/metrics", 5)
+    for line in answer.body.decode().splitlines():
+        if line.startswith(f"llamacpp:{name}"):
+            return float(line.split()[-1])
+    raise AssertionError(f"no llamacpp:{name} on port {port}")
+
+
 def live_pid(app: Appliance, unit: str, timeout_s: float = 60) -> int:
     """The unit's main pid, once it has one. Never 0: a test that signals pid 0 signals its own
     process group, pytest included (a unit between two starts has MainPID=0)."""

@@ -23,6 +23,7 @@ from tests.conftest import (
     B70CTL,
     Appliance,
     demo_config_text,
+    llamacpp_counter,
     require_real_parts,
     running_manager,
 )
@@ -69,12 +70,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 
 def predicted(port: int) -> float:
-    """The tokens a llama-server has generated (its own counter)."""
-    answer = health.request("GET", f"http://127.0.0.1:{port}/metrics", 5)
-    for line in answer.body.decode().splitlines():
-        if line.startswith("llamacpp:tokens_predicted_total"):
-            return float(line.split()[-1])
-    raise AssertionError(f"no token counter on port {port}")
+    return llamacpp_counter(port, "tokens_predicted_total")
 
 
 def target(box: Appliance) -> load_test.Target:

@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from appliance import health
 from b70tools import load_test
 from b70tools.net import free_port
-from tests.conftest import B70CTL, GGUF, LLAMA_SERVER, Appliance, appliance_on_cards
+from tests.conftest import (
+    B70CTL,
+    GGUF,
+    LLAMA_SERVER,
+    Appliance,
+    appliance_on_cards,
+    llamacpp_counter,
+)
 
 SLOTS = ["0000:03:00.0", "0000:04:00.0", "0000:07:00.0", "0000:08:00.0"]
 
@@ -67,12 +73,7 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
 
 
 def prompt_tokens(port: int) -> float:
-    """The prompt tokens a replica has processed (llama-server's own counter)."""
-    answer = health.request("GET", f"http://127.0.0.1:{port}/metrics", 5)
-    for line in answer.body.decode().splitlines():
-        if line.startswith("llamacpp:prompt_tokens_total"):
-            return float(line.split()[-1])
-    raise AssertionError(f"no prompt token counter on port {port}")
+    return llamacpp_counter(port, "prompt_tokens_total")
 
 
 def test_install_starts_every_replica_and_the_router_spreads_requests(app: Appliance) -> None:

@@ -91,8 +91,8 @@ MODEL_PREFIXES = ("/models/", "/v1/models/")  # GET /v1/models/{model}, a model 
 # Answered by the door itself: whether this box's own runtimes serve (peers' front doors ask it)
 READINESS_PATH = "/health/readiness"
 PEER_HEADER = hold.PEER_HEADER.encode()
-# Whether this box serves, and per name "ready", "switching" or "down".
-Readiness = Callable[[], Awaitable[tuple[bool, dict[str, str]]]]
+# Whether this box's own runtimes serve (one is healthy and not held by a switch).
+Readiness = Callable[[], Awaitable[bool]]
 
 
 def route_of(path: str, models: Collection[str] | None) -> tuple[str, frozenset[str]] | None:
@@ -283,7 +283,7 @@ class Door:
         """200 when this box's own runtimes serve a name, 503 while none does (switching, or
         down). No key, like the liveness probe, so it names no model."""
         assert self.readiness is not None
-        ok, _ = await self.readiness()
+        ok = await self.readiness()
         body = json.dumps({"status": "ready" if ok else "not ready"}).encode()
         headers = [(b"content-type", b"application/json"), (b"cache-control", b"no-store")]
         await send({"type": "http.response.start", "status": 200 if ok else 503,

@@ -100,14 +100,6 @@ class Runtimes:
     def backend_of(self, model: str) -> Backend:
         return self.backends[self.url_of(model)]
 
-    def name_at(self, url: str) -> str:
-        """The name the runtime at `url` serves (its deployment's), else the address."""
-        router_ = router()
-        for deployment in getattr(router_, "model_list", None) or ():
-            if direct.origin_of(deployment, [url]) is not None:
-                return str(deployment.get("model_name"))
-        return url
-
     def replicas_of(self, model: str) -> str | None:
         """The model group, when the name has several deployments and every one of them is one
         of the appliance's runtimes (replicas) or a peer's proxy; None otherwise."""

@@ -154,23 +154,17 @@ class Routing:
                 cooldown_time=None,  # the router's cooldown_time
             )
 
-    async def readiness(self) -> tuple[bool, dict[str, str]]:
-        """Whether this box serves: per runtime port's name, "ready", "switching" or "down"
-        (its own runtimes only, never its peers'); ready when any name is."""
+    async def readiness(self) -> bool:
+        """Whether this box serves: one of its own runtimes (never a peer's) is healthy and not
+        held by a switch."""
         if self.runtimes is None:
-            return False, {}
+            return False
         mark = hold_mark.read_mark(Path(os.environ["B70_STATE_DIR"]))
-        names: dict[str, str] = {}
         for url in self.runtimes.urls:
             gate = self.gate_at(url)
-            name = self.runtimes.name_at(url)
-            if mark is not None and mark.holds(gate.port):
-                state = "switching"
-            else:
-                state = "ready" if await gate.healthy() else "down"
-            if names.get(name) != "ready":
-                names[name] = state
-        return any(state == "ready" for state in names.values()), names
+            if not (mark is not None and mark.holds(gate.port)) and await gate.healthy():
+                return True
+        return False
 
 
 class Peer:
