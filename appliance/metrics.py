@@ -30,12 +30,22 @@ class Exporter(Collector):
         self.registry.register(self)
 
     def update(
-        self, o: Any, m: Any, units: dict[str, Any], proxy_up: bool, snap: Any, state_dir: Path
+        self,
+        observed: list[Any],
+        m: Any,
+        units: dict[str, Any],
+        proxy_up: bool,
+        snap: Any,
+        state_dir: Path,
+        watched: dict[str, Any] | None = None,
     ) -> None:
+        """One sample: every runtime observed (several serve side by side on their own cards),
+        the monitor's counters `m`, and each runtime's own memory in `watched`."""
         total, failed, last = switch_counts(state_dir)
         self.snapshot = {
-            "o": o,
+            "observed": [o for o in observed if o.runtime is not None],
             "m": m,
+            "watched": watched or {},
             "units": units,
             "proxy_up": proxy_up,
             "gpu": snap,
@@ -55,18 +65,20 @@ class Exporter(Collector):
         yield from self._vram(s)
 
     def _runtimes(self, s: dict[str, Any]) -> Iterator[Any]:
-        o, m = s["o"], s["m"]
+        seen = {o.runtime: o for o in s["observed"]}
         active = GaugeMetricFamily(
-            "b70_active_runtime", "1 for the runtime that serves", labels=["runtime"]
+            "b70_active_runtime", "1 for each runtime that serves", labels=["runtime"]
+        )
+        up = GaugeMetricFamily(
+            "b70_runtime_up", "The runtime answers health and probe", labels=["runtime"]
         )
         for name in sorted(self.config.runtimes):
-            active.add_metric(
-                [name], 1.0 if o.runtime == name and o.unit_state == "active" else 0.0
-            )
+            o = seen.get(name)
+            serving = o is not None and o.unit_state == "active"
+            active.add_metric([name], float(serving))
+            up.add_metric([name], float(serving and o is not None and o.healthy))
         yield active
-        yield GaugeMetricFamily(
-            "b70_runtime_up", "The serving runtime answers health and probe", value=float(o.healthy)
-        )
+        yield up
         yield GaugeMetricFamily(
             "b70_proxy_up", "The proxy answers /health/liveliness", value=float(s["proxy_up"])
         )
@@ -80,11 +92,13 @@ class Exporter(Collector):
             unit_active.add_metric([unit], float(st.active_state == "active"))
         for name, rt in sorted(self.config.runtimes.items()):
             restarts.add_metric([name, "systemd"], float(s["units"][rt.unit].n_restarts or 0))
-        restarts.add_metric([o.runtime or "", "monitor"], float(m.restarts_by_monitor))
+            mine = s["watched"].get(name)
+            by_monitor = mine.restarts_by_monitor if mine is not None else 0
+            restarts.add_metric([name, "monitor"], float(by_monitor))
         yield unit_active
         yield restarts
         yield CounterMetricFamily(
-            "b70_failovers", "Failovers to the fallback runtime", value=float(m.failovers)
+            "b70_failovers", "Failovers to the fallback runtime", value=float(s["m"].failovers)
         )
 
     def _switches(self, s: dict[str, Any]) -> Iterator[Any]:
@@ -113,13 +127,16 @@ class Exporter(Collector):
         yield phases
 
     def _requests(self, s: dict[str, Any]) -> Iterator[Any]:
-        o, held = s["o"], s["held"]
-        if o.in_flight is not None:
-            yield GaugeMetricFamily(
-                "b70_requests_in_flight",
-                "Running plus waiting requests in the runtime",
-                value=float(o.in_flight),
-            )
+        held = s["held"]
+        in_flight = GaugeMetricFamily(
+            "b70_requests_in_flight",
+            "Running plus waiting requests in the runtime",
+            labels=["runtime"],
+        )
+        for o in s["observed"]:
+            if o.in_flight is not None:
+                in_flight.add_metric([o.runtime], float(o.in_flight))
+        yield in_flight
         yield GaugeMetricFamily(
             "b70_requests_held",
             "Requests waiting at the proxy now (a switch, or the runtime not healthy)",

@@ -125,6 +125,8 @@ def act(
     log(f"{action.kind} {action.runtime}: {action.reason}")
     if action.kind == "restart":
         m.restarts_by_monitor += 1
+        if mine is not None and mine is not m:
+            mine.restarts_by_monitor += 1  # the runtime's own count, for its metric
         try:
             sd.restart(config.runtime(action.runtime).unit)
         except ApplianceError as e:  # systemd refused: say so, and judge again next sample
@@ -257,14 +259,14 @@ def sample(
                 save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
         units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
         units[PROXY_UNIT] = sd.state(PROXY_UNIT)
-    o = observed[0]  # the first runtime by name: the one the metrics and the ring describe
+    o = observed[0]  # the first runtime by name: the one the ring and the state file describe
     first = watched[o.runtime or ""]
     m.runtime, m.failures, m.restarts = first.runtime, first.failures, first.restarts
     proxy = health.probe(
         runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
     )
     snap = gpu.snapshot(gpu.sysroot())
-    exporter.update(o, m, units, proxy.healthy, snap, lay.state_dir)
+    exporter.update(observed, m, units, proxy.healthy, snap, lay.state_dir, watched)
     samples.append(lay.state_dir, samples.sample_of(o, exporter.snapshot["held"].now, snap))
     doc = save(lay.state_dir, m, o, log)
     doc["observations"] = [asdict(each) for each in observed]

@@ -20,7 +20,7 @@ from tests.conftest import REPO
 
 DASHBOARD = REPO / "examples" / "grafana" / "b70-dashboard.json"
 # PromQL's own words the dashboard uses; any other name must be a metric or one of its labels.
-PROMQL = {"sum", "by", "increase", "changes", "rate", "max", "min", "avg", "without"}
+PROMQL = {"sum", "by", "increase", "changes", "rate", "max", "min", "avg", "without", "and"}
 CONFIG = """
 default_runtime = "vllm"
 [runtimes.vllm]
@@ -56,7 +56,7 @@ def exported(tmp_path: Path) -> tuple[set[str], set[str]]:
     holder = Holder(42, "vllm serve", "b70-vllm.service", {"0000:03:00.0": 2**30})
     snap = Snapshot([DeviceMemory(device, 2**35, 2**31, "xe-query", [(holder, 2**30)])], 0, [])
     units = {u: unit for u in ("b70-vllm.service", "b70-llamacpp.service", "b70-litellm.service")}
-    exporter.update(o, Memory(), units, True, snap, tmp_path)
+    exporter.update([o], Memory(), units, True, snap, tmp_path, {"vllm": Memory()})
     text = generate_latest(exporter.registry).decode()
     samples = [line for line in text.splitlines() if line and not line.startswith("#")]
     names = {re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", line).group() for line in samples}  # type: ignore[union-attr]

@@ -102,6 +102,9 @@ def wait_for(predicate, timeout_s: float, what: str) -> float:  # type: ignore[n
     raise AssertionError(f"{what} did not happen within {timeout_s} s")
 
 
+FLAKY_UP = ("b70_runtime_up", (("runtime", "flaky"),))  # the watched runtime answers
+
+
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
     return {
@@ -113,7 +116,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_metrics_match_the_known_state(watched: tuple[Appliance, Path, int]) -> None:
     app, _, port = watched
-    wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
+    wait_for(lambda: scrape(port).get(FLAKY_UP) == 1.0, 30, "a healthy sample")
     m = scrape(port)
     assert m[("b70_active_runtime", (("runtime", "flaky"),))] == 1.0
     assert m[("b70_active_runtime", (("runtime", "llamacpp"),))] == 0.0
@@ -123,7 +126,8 @@ def test_metrics_match_the_known_state(watched: tuple[Appliance, Path, int]) -> 
     history = Path(app.manager.env["XDG_STATE_HOME"]) / "b70" / "switches.jsonl"
     switches = len(history.read_text().splitlines()) if history.exists() else 0
     assert m[("b70_switches_total", ())] == switches
-    assert m[("b70_requests_in_flight", ())] == 0.0
+    assert m[("b70_requests_in_flight", (("runtime", "flaky"),))] == 0.0
+    assert m[("b70_runtime_up", (("runtime", "llamacpp"),))] == 0.0
     assert m[("b70_requests_held", ())] == 0.0
     held = hold.read_counts(Path(app.manager.env["XDG_STATE_HOME"]) / "b70")
     assert m[("b70_held_requests_total", ())] == held.total
@@ -157,7 +161,7 @@ def test_kill_9_is_restarted_by_systemd_and_a_request_waits_for_it(
 
 def test_a_hang_is_detected_and_restarted(watched: tuple[Appliance, Path, int]) -> None:
     app, _, port = watched
-    wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
+    wait_for(lambda: scrape(port).get(FLAKY_UP) == 1.0, 30, "a healthy sample")
     before = live_pid(app, "b70-flaky.service")
     os.kill(before, signal.SIGSTOP)
     try:
@@ -178,6 +182,8 @@ def test_a_hang_is_detected_and_restarted(watched: tuple[Appliance, Path, int]) 
     )
     assert monitor["last_action"]["reason"].startswith("hung: ")
     assert monitor["restarts_by_monitor"] >= 1
+    by_monitor = ("b70_runtime_restarts_total", (("by", "monitor"), ("runtime", "flaky")))
+    wait_for(lambda: scrape(port).get(by_monitor, 0.0) >= 1.0, 10, "the runtime's own restarts")
     human = app.b70ctl("status").stdout
     assert "last action   restart flaky: hung: " in human
 
@@ -189,7 +195,7 @@ def test_the_monitor_killed_while_it_restarts_a_runtime(
     keeps its count."""
     app, _, port = watched
     app.manager.systemctl("reset-failed", "b70-flaky.service")  # the start limit counts anew
-    wait_for(lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "a healthy sample")
+    wait_for(lambda: scrape(port).get(FLAKY_UP) == 1.0, 30, "a healthy sample")
     counted = app.json("status")["result"]["monitor"]["restarts_by_monitor"]
     runtime, monitor = live_pid(app, "b70-flaky.service"), live_pid(app, "b70-monitor.service")
     os.kill(runtime, signal.SIGSTOP)
@@ -209,9 +215,7 @@ def test_the_monitor_killed_while_it_restarts_a_runtime(
     wait_for(lambda: main_pid(app, "b70-flaky.service") not in (0, runtime), 60, "a new runtime")
     wait_for(lambda: app.ask().strip(), 60, "serving again")
     wait_for(lambda: main_pid(app, "b70-monitor.service") not in (0, monitor), 30, "a new monitor")
-    wait_for(
-        lambda: scrape(port).get(("b70_runtime_up", ())) == 1.0, 30, "the new monitor sampling"
-    )
+    wait_for(lambda: scrape(port).get(FLAKY_UP) == 1.0, 30, "the new monitor sampling")
     status = app.json("status")["result"]
     assert status["monitor"]["restarts_by_monitor"] == counted + 1
     assert status["active_runtime"] == "flaky"
