@@ -14,9 +14,6 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
-
-from appliance import run
 from appliance.errors import ApplianceError
 from appliance.runtimes import GENERATED_METRICS, METRICS_PATH, metric_sum, parse_in_flight
 
@@ -114,72 +111,6 @@ def read_work(base_url: str, timeout_s: float = 2.0) -> tuple[int | None, float 
 
 def health_url(base_url: str, engine: str) -> str:
     return base_url + (PROXY_HEALTH_PATH if engine == "litellm" else "/health")
-
-
-@dataclass(frozen=True)
-class Listener:
-    pid: int | None
-    command: str | None
-
-
-def listeners(port: int) -> list[Listener]:
-    """Processes listening on a TCP port (pid None: a socket of another user)."""
-    found = []
-    for conn in psutil.net_connections(kind="tcp"):
-        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
-            found.append(Listener(conn.pid, _command(conn.pid)))
-    return found
-
-
-def _command(pid: int | None) -> str | None:
-    if pid is None:
-        return None
-    try:
-        return " ".join(psutil.Process(pid).cmdline()) or psutil.Process(pid).name()
-    except psutil.Error:
-        return None
-
-
-def foreign_listeners(port: int, main_pids: list[int]) -> list[Listener]:
-    """Processes listening on `port` that are not in the process tree of any of `main_pids`."""
-    ours: set[int] = set()
-    for pid in main_pids:
-        ours |= process_tree(pid)
-    return [listener for listener in listeners(port) if listener.pid not in ours]
-
-
-def describe(found: list[Listener]) -> str:
-    parts = []
-    for listener in found:
-        if listener.pid is None:
-            parts.append("a process of another user")
-        else:
-            parts.append(f"pid {listener.pid} ({(listener.command or '?')[:120]})")
-    return ", ".join(parts)
-
-
-def process_tree(pid: int) -> set[int]:
-    try:
-        root = psutil.Process(pid)
-        return {pid} | {child.pid for child in root.children(recursive=True)}
-    except psutil.Error:
-        return set()
-
-
-def container_pid(cli: str, name: str) -> int | None:
-    out = run.ask([cli, "inspect", "--format", "{{.State.Pid}}", name], timeout_s=10)
-    if out is None:
-        return None
-    text = out.stdout.strip()
-    return int(text) if out.returncode == 0 and text.isdigit() and int(text) > 0 else None
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        return bool(proc.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
 
 
 def chat_completion(

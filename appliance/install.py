@@ -28,7 +28,8 @@ from appliance.layout import (
     layout,
 )
 from appliance.placement import excludes
-from appliance.render import render_all, stamp
+from appliance.render import render_all
+from appliance.rendered import stamp
 from appliance.state import ensure_key
 from appliance.units import (
     Progress,

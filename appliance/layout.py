@@ -34,7 +34,7 @@ HISTORY = "switches.jsonl"
 MONITOR_STATE = "monitor.json"
 SAMPLES = "samples.jsonl"  # the monitor's last hour (appliance.samples)
 CANARY_FILE = "canaries.json"
-RENDERED = "rendered.json"  # what install last wrote, and from what (appliance.render.stamp)
+RENDERED = "rendered.json"  # what install last wrote, and from what (appliance.rendered.stamp)
 
 
 class Scope(StrEnum):

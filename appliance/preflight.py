@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 
-from appliance import gpu, health, run, runtimes, systemd
+from appliance import gpu, processes, run, runtimes, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.gpu import memgate
 from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout
-from appliance.render import installed_as_rendered, render_all
+from appliance.rendered import installed_as_rendered
 from appliance.units import check_port
 
 
@@ -18,11 +18,11 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
     """Check the target without touching anything. Returns notes; raises on the first problem."""
     notes: list[str] = []
     check_installed(config, lay, (target.unit, PROXY_UNIT, PROXY_CONFIG))
-    if sd.state(target.unit).load_state != "loaded":
+    if sd.load_state(target.unit) != "loaded":
         raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
     check_runtime_files(config, target)
     check_port(sd, [rt.unit for rt in config.runtimes.values()], target.port, "backend")
-    if sd.state(PROXY_UNIT).active_state != "active":
+    if sd.active_state(PROXY_UNIT) != "active":
         raise _preflight(
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
             f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
@@ -46,6 +46,8 @@ def check_installed(config: Config, lay: Layout, names: tuple[str, ...]) -> None
     and compared, which names the first file that differs."""
     if installed_as_rendered(config, lay, names):
         return
+    from appliance.render import render_all
+
     files = render_all(config, lay)
     for name in names:
         dest = lay.destination(name)
@@ -66,9 +68,9 @@ def container_pids(config: Config) -> set[int]:
     for rt in config.runtimes.values():
         if rt.launcher is not Launcher.NATIVE:
             cli = runtimes.container_cli(config, rt)
-            pid = health.container_pid(cli, runtimes.container_name(rt))
+            pid = processes.container_pid(cli, runtimes.container_name(rt))
             if pid:
-                pids |= health.process_tree(pid)
+                pids |= processes.process_tree(pid)
     return pids
 
 

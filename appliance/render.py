@@ -6,12 +6,11 @@ Rendering is pure: data in, {file name: text} out. `write_atomic` is the only wr
 from __future__ import annotations
 
 import functools
-import hashlib
 import ipaddress
 import json
 import re
 import textwrap
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,30 +21,20 @@ if TYPE_CHECKING:
 
     from appliance.gpu.sysfs import Device
 from appliance.config import LOOPBACK_NAMES, Config, Launcher, RuntimeConfig
-from appliance.files import write_atomic
 from appliance.layout import (
     MONITOR_UNIT,
     PROXY_CONFIG,
     PROXY_SOCKET,
     PROXY_UNIT,
-    RENDERED,
     SYSUSERS,
     Layout,
     Scope,
     cache_name,
 )
 from appliance.proxy.hold import PEER_HEADER
+from appliance.rendered import TEMPLATES
 
 RESTART_SEC = 5
-
-
-def _templates_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    installed = here / "templates"  # a wheel maps the top-level templates/ here
-    return installed if installed.is_dir() else here.parent / "templates"
-
-
-TEMPLATES = _templates_dir()
 
 
 # --- systemd quoting ---------------------------------------------------------------------------
@@ -319,52 +308,3 @@ def render_sysusers(runtime_users: list[str]) -> str:
     for user in runtime_users:
         lines += [f'u {user} - "b70 appliance runtime" /var/lib/b70 -', f"m {user} render"]
     return "\n".join(lines) + "\n"
-
-
-# --- what was rendered -------------------------------------------------------------------------
-
-
-def inputs_digest(config: Config, lay: Layout) -> str:
-    """A digest of everything render_all makes the files from: the config, the layout (and the
-    cache root it reads from the environment), the cards it places runtimes on, the templates
-    and the code that renders them.
-    render_all is a pure function of these, so equal digests render equal files."""
-    from appliance import layout as layout_mod
-    from appliance.config import model
-
-    h = hashlib.sha256()
-    for part in (repr(config), repr(lay), str(lay.cache_root), repr(placement.placements(config))):
-        h.update(part.encode() + b"\0")
-    code = [Path(m.__file__ or "") for m in (runtimes, sandbox, layout_mod, model, placement)]
-    for path in [*sorted(TEMPLATES.glob("*.j2")), Path(__file__), *code]:
-        h.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
-def file_digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def stamp(config: Config, lay: Layout, files: Mapping[str, str]) -> None:
-    """Install's note of what it rendered, and from what (the layout's RENDERED file)."""
-    record = {
-        "inputs": inputs_digest(config, lay),
-        "files": {name: file_digest(text) for name, text in files.items()},
-    }
-    write_atomic(lay.state_dir / RENDERED, json.dumps(record, indent=1) + "\n")
-
-
-def installed_as_rendered(config: Config, lay: Layout, names: Collection[str]) -> bool:
-    """Whether the installed files `names` are what `config` renders, known without rendering:
-    the last install rendered from the same inputs, and the files are still what it wrote.
-    False says only "not known this way": render and compare."""
-    try:
-        record = json.loads((lay.state_dir / RENDERED).read_text())
-        if record["inputs"] != inputs_digest(config, lay):
-            return False
-        for name in names:
-            if file_digest(lay.destination(name).read_text()) != record["files"][name]:
-                return False
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return True

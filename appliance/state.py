@@ -5,7 +5,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import secrets
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -204,6 +203,8 @@ def read_key(lay: Layout) -> str:
 def ensure_key(lay: Layout) -> bool:
     if lay.key_file.exists():
         return False
+    import secrets  # only install makes a key: a switch need not import it
+
     key = "sk-b70-" + secrets.token_urlsafe(32)
     write_atomic(lay.key_file, f"LITELLM_MASTER_KEY={key}\n", mode=0o600)
     return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from appliance import health, placement, runtimes, state, systemd
+from appliance import health, placement, processes, runtimes, state, systemd
 from appliance.config import Config, Launcher
 from appliance.errors import ConfigError
 from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
@@ -106,9 +106,9 @@ def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> st
         return None
     pids = [states[rt.unit].main_pid or 0 for rt in running]
     for port in sorted({rt.port for rt in config.runtimes.values()}):
-        found = health.foreign_listeners(port, pids)
+        found = processes.foreign_listeners(port, pids)
         if found:
-            described = health.describe(found)
+            described = processes.describe(found)
             return f"port {port} is held by {described}, which is not part of the appliance"
     return None
 

@@ -148,7 +148,7 @@ class Page:
 @functools.cache
 def asset(name: str) -> bytes:
     """A file of the page, read once (they ship in the package and do not change)."""
-    from appliance.render import TEMPLATES
+    from appliance.rendered import TEMPLATES
 
     return (TEMPLATES / name).read_bytes()
 

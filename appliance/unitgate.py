@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from appliance import health
+from appliance import health, processes
 from appliance.errors import ApplianceError
 
 POLL_S = 0.1
@@ -28,12 +28,12 @@ def log(message: str) -> None:
 def pre(port: int, wait_s: float = 10.0) -> None:
     deadline = time.monotonic() + wait_s
     while True:
-        found = health.listeners(port)
+        found = processes.listeners(port)
         if not found:
             return
         if time.monotonic() >= deadline:
             raise ApplianceError(
-                f"port {port} is in use by {health.describe(found)}",
+                f"port {port} is in use by {processes.describe(found)}",
                 hint="stop that process, or choose another [backend] port in the config",
                 code="port_busy",
             )
@@ -51,11 +51,11 @@ class ReadyTarget:
 
 
 def owned_pids(target: ReadyTarget) -> set[int]:
-    pids = health.process_tree(target.pid)
+    pids = processes.process_tree(target.pid)
     if target.container and target.container_cli:
-        cpid = health.container_pid(target.container_cli, target.container)
+        cpid = processes.container_pid(target.container_cli, target.container)
         if cpid:
-            pids |= health.process_tree(cpid)
+            pids |= processes.process_tree(cpid)
     return pids
 
 
@@ -65,7 +65,7 @@ def ready(target: ReadyTarget) -> float:
     url = health.health_url(target.url, target.engine)
     last = ""
     while True:
-        if not health.pid_alive(target.pid):
+        if not processes.pid_alive(target.pid):
             raise ApplianceError(
                 f"the main process (pid {target.pid}) exited before {url} answered"
                 + (f" (last probe: {last})" if last else ""),
@@ -74,15 +74,16 @@ def ready(target: ReadyTarget) -> float:
         result = health.probe(url)
         last = result.detail
         if result.healthy:
-            found = health.listeners(target.port)
+            found = processes.listeners(target.port)
             ours = owned_pids(target)
             if any(listener.pid in ours for listener in found):
                 took = time.monotonic() - start
                 log(f"healthy after {took:.1f} s: {url} answers from pid {target.pid}")
                 return took
             if found:
+                holder = processes.describe(found)
                 raise ApplianceError(
-                    f"{url} answers, but port {target.port} belongs to {health.describe(found)}, "
+                    f"{url} answers, but port {target.port} belongs to {holder}, "
                     f"not to this unit's process (pid {target.pid})",
                     hint="stop the stale server that holds the port",
                     code="port_busy",

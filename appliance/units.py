@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from appliance import health, systemd
+from appliance import processes, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError
 from appliance.placement import excludes
@@ -77,9 +77,7 @@ def serving_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
     """The runtimes whose units are active (the health gate makes active mean answering): one,
     or several side by side on their own cards."""
     return [
-        name
-        for name, rt in sorted(config.runtimes.items())
-        if sd.state(rt.unit).active_state == "active"
+        name for name, rt in sorted(config.runtimes.items()) if sd.active_state(rt.unit) == "active"
     ]
 
 
@@ -101,18 +99,18 @@ def require_serving(config: Config, sd: systemd.Systemd) -> str:
 def active_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
     out = []
     for name, rt in sorted(config.runtimes.items()):
-        if sd.state(rt.unit).active_state in {"active", "activating", "reloading", "deactivating"}:
+        if sd.active_state(rt.unit) in {"active", "activating", "reloading", "deactivating"}:
             out.append(name)
     return out
 
 
 def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> None:
     """Refuse a port that a process outside `units` listens on, naming that process."""
-    pids = [pid for unit in units if (pid := sd.state(unit).main_pid)]
-    foreign = health.foreign_listeners(port, pids)
+    pids = [pid for unit in units if (pid := sd.main_pid(unit))]
+    foreign = processes.foreign_listeners(port, pids)
     if foreign:
         raise ApplianceError(
-            f"the {role} port {port} is held by {health.describe(foreign)}, "
+            f"the {role} port {port} is held by {processes.describe(foreign)}, "
             "which is not part of the appliance",
             hint=f"stop that process, or choose another [{role}] port in the config",
             code="port_busy",

@@ -226,7 +226,7 @@ def test_preflight_knows_installed_files_are_current_without_rendering(tmp_path:
     from appliance import preflight
     from appliance.errors import ApplianceError
     from appliance.layout import PROXY_CONFIG, Layout
-    from appliance.render import installed_as_rendered, stamp
+    from appliance.rendered import installed_as_rendered, stamp
 
     lay = Layout(Scope.USER, tmp_path / "units", tmp_path / "etc", tmp_path / "state")
     cfg = config.parse(THREE, tmp_path / "three.toml")

@@ -115,20 +115,23 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: fl
     Example:
       sudo b70ctl switch llamacpp
     """
-    from appliance import live, switching, units
+    from appliance import switching, units
 
     progress: units.Progress = (
         output.progress if sys.stderr.isatty() or not ctx.json else units.no_progress
     )
+    line = None
     if sys.stderr.isatty() and not ctx.json:  # a terminal: one line that moves
-        progress = live.Live(sys.stderr, live.journal_tail(ctx.scope))
+        from appliance import live
+
+        progress = line = live.Live(sys.stderr, live.journal_tail(ctx.scope))
     try:
         result = switching.switch(
             ctx.config(), ctx.scope, name, restart, progress, gate, drain_s=drain_timeout
         )
     finally:
-        if isinstance(progress, live.Live):
-            progress.close()
+        if line is not None:
+            line.close()
     data = dataclasses.asdict(result)
     data.pop("journal")
     output.show(ctx.json, data, lambda: output.render_switch(data))

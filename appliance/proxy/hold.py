@@ -17,7 +17,6 @@ import fcntl
 import json
 import mmap
 import os
-import secrets
 import struct
 import tempfile
 import time
@@ -89,7 +88,7 @@ class Unwritable(Exception):
 def marked(state_dir: Path, target: str, ports: tuple[int, ...] | None = None) -> Iterator[Mark]:
     """Hold new requests to `ports` (every port: None) at the proxy while the block runs."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    mark = Mark(os.getpid(), target, time.time(), secrets.token_hex(16), ports)
+    mark = Mark(os.getpid(), target, time.time(), os.urandom(16).hex(), ports)
     record = {**mark.__dict__, "pid_start": start_time(mark.pid)}
     path = state_dir / HOLD_FILE
     try:

@@ -1,0 +1,134 @@
+"""Who holds a port: the /proc reading that settles most preflights, and psutil where it cannot."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance import processes
+
+PORT = 8001
+TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+
+
+def tcp_line(port: int, state: str, inode: int) -> str:
+    return (
+        f"   0: 0100007F:{port:04X} 00000000:0000 {state} 00000000:00000000 00:00000000 "
+        f"00000000     0        0 {inode} 1 0000000000000000 100 0 0 10 0\n"
+    )
+
+
+def proc_tree(root: Path, tcp: list[str], tcp6: list[str] | None = None) -> Path:
+    """/proc/net/tcp (and tcp6 when given) in the kernel's layout."""
+    (root / "net").mkdir(parents=True)
+    (root / "net" / "tcp").write_text(TCP_HEADER + "".join(tcp))
+    if tcp6 is not None:
+        (root / "net" / "tcp6").write_text(TCP_HEADER + "".join(tcp6))
+    return root
+
+
+def process(root: Path, pid: int, children: list[int], sockets: list[int]) -> None:
+    """/proc/PID/task/PID/children and /proc/PID/fd/N -> socket:[INODE], as the kernel shows."""
+    task = root / str(pid) / "task" / str(pid)
+    task.mkdir(parents=True)
+    (task / "children").write_text("".join(f"{c} " for c in children))
+    fd = root / str(pid) / "fd"
+    fd.mkdir()
+    (fd / "0").symlink_to("/dev/null")
+    for n, inode in enumerate(sockets, start=3):
+        (fd / str(n)).symlink_to(f"socket:[{inode}]")
+
+
+@pytest.fixture
+def no_psutil(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail where psutil's scan is asked: /proc was meant to settle it."""
+
+    import psutil
+
+    def refuse(*args: object, **kwargs: object) -> object:
+        raise AssertionError("psutil was asked")
+
+    monkeypatch.setattr(psutil, "net_connections", refuse)
+    monkeypatch.setattr(psutil, "Process", refuse)
+
+
+def test_nobody_listening_is_read_from_proc_alone(tmp_path: Path, no_psutil: None) -> None:
+    proc = proc_tree(tmp_path, [tcp_line(PORT, "01", 11), tcp_line(PORT + 1, "0A", 12)], [])
+    assert processes.listening_sockets(PORT, str(proc)) == set()
+    assert processes.foreign_listeners(PORT, [100], str(proc)) == []
+
+
+def test_a_listener_held_by_a_units_child_is_ours(tmp_path: Path, no_psutil: None) -> None:
+    proc = proc_tree(tmp_path, [], [tcp_line(PORT, "0A", 77)])  # an IPv6 socket
+    process(proc, 100, children=[101], sockets=[])
+    process(proc, 101, children=[], sockets=[55, 77])
+    assert processes.listening_sockets(PORT, str(proc)) == {77}
+    assert processes.foreign_listeners(PORT, [100], str(proc)) == []
+
+
+def test_a_listener_outside_the_units_is_described_by_psutil(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc = proc_tree(tmp_path, [tcp_line(PORT, "0A", 77)])
+    process(proc, 100, children=[], sockets=[55])
+    stranger = processes.Listener(4242, "python3 -m http.server 8001")
+    monkeypatch.setattr(processes, "listeners", lambda port: [stranger])
+    monkeypatch.setattr(processes, "process_tree", lambda pid: {pid})
+    assert processes.foreign_listeners(PORT, [100], str(proc)) == [stranger]
+
+
+def test_an_unreadable_proc_falls_back_to_psutil(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc = tmp_path / "proc"  # no net/tcp at all
+    (proc / "net").mkdir(parents=True)
+    (proc / "net" / "tcp").write_text(TCP_HEADER + f"   0: 0100007F:{PORT:04X} garbage\n")
+    asked: list[int] = []
+    monkeypatch.setattr(processes, "listeners", lambda port: asked.append(port) or [])
+    assert processes.listening_sockets(PORT, str(proc)) is None
+    assert processes.foreign_listeners(PORT, [], str(proc)) == []
+    assert asked == [PORT]
+
+
+@pytest.fixture
+def listening() -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
+    """A real listener in a child process (its parent is this test)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = (
+        "import socket, sys, time\n"
+        "s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('127.0.0.1', {port})); s.listen(); print('ready', flush=True); time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        yield port, child
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_real_proc_agrees_with_psutil(listening: tuple[int, subprocess.Popen[bytes]]) -> None:
+    port, child = listening
+    assert processes.listening_sockets(port)  # seen in this machine's /proc/net
+    assert processes.foreign_listeners(port, [os.getpid()]) == []  # our child's
+    foreign = processes.foreign_listeners(port, [])
+    assert [listener.pid for listener in foreign] == [child.pid]
+    assert processes.describe(foreign).startswith(f"pid {child.pid} (")
+
+
+def test_a_free_port_is_known_free_without_psutil(no_psutil: None) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening
+        assert processes.listening_sockets(port) == set()
+        assert processes.foreign_listeners(port, []) == []
+        assert processes.listeners(port) == []
