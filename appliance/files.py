@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+
+from appliance.proxy.hold import create_beside
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     """Write `text` to `path` so that readers see the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = create_beside(path)
     try:
         os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:

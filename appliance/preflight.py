@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 
 from appliance import gpu, processes, run, runtimes, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
@@ -82,7 +81,11 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
     where = f"runtimes.{rt.name}"
     if rt.launcher is Launcher.NATIVE:
         exe = rt.command[0]
-        found = exe if os.path.isabs(exe) else shutil.which(exe)
+        found = exe if os.path.isabs(exe) else None
+        if found is None:  # named without its directory: look it up on PATH
+            import shutil
+
+            found = shutil.which(exe)
         if not found or not os.access(found, os.X_OK):
             raise _preflight(
                 f"{where}.command: {exe} is not an executable file", "install it or fix the path"

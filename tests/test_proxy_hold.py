@@ -5,6 +5,7 @@ a clock that the test moves; the same gate runs inside the real proxy in tests/t
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -286,3 +287,17 @@ def test_a_switch_holds_only_the_ports_it_names_and_each_port_counts_its_own(
     asyncio.run(requests())
     mark = hold.Mark(1, "tp", 0.0, "t", ports=(8001,))
     assert mark.holds(8001) and not mark.holds(8002) and hold.Mark(1, "tp", 0.0, "t").holds(8002)
+
+
+def test_a_new_file_beside_is_ours_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """create_beside never opens a file that exists: a drawn name that is taken is drawn again."""
+    target = tmp_path / "mark.json"
+    draws = iter([b"\x01" * 6, b"\x01" * 6, b"\x02" * 6])
+    monkeypatch.setattr(hold.os, "urandom", lambda n: next(draws))
+    fd, first = hold.create_beside(target)
+    os.close(fd)
+    fd, second = hold.create_beside(target)  # the first name is taken: the third draw
+    os.close(fd)
+    assert Path(first).name == ".mark.json." + "01" * 6
+    assert Path(second).name == ".mark.json." + "02" * 6
+    assert Path(first).parent == tmp_path and (Path(second).stat().st_mode & 0o777) == 0o600

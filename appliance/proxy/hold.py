@@ -18,7 +18,6 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,14 +46,27 @@ class Mark:
         return self.ports is None or port is None or port in self.ports
 
 
+def create_beside(path: Path) -> tuple[int, str]:
+    """A new file in `path`'s directory that no one else opened (O_EXCL), mode 0600, to be
+    renamed over `path`: what tempfile.mkstemp makes, without importing tempfile (and shutil
+    and random with it, 8 ms of every switch's start-up on 2 cores)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    while True:
+        tmp = str(path.parent / f".{path.name}.{os.urandom(6).hex()}")
+        try:
+            return os.open(tmp, flags, 0o600), tmp
+        except FileExistsError:  # 48 random bits met another: draw again
+            continue
+
+
 def _write(path: Path, text: str) -> None:
     """Replace a file at once. Not files.write_atomic: no fsync, because the proxy writes its
     counts on its event loop, and the mark and the counts mean nothing after a reboot.
 
-    Readable by all (mkstemp makes 0600): on a system install the proxy runs as its own user and
-    reads the mark that root's `b70ctl switch` writes. The mark's token lets a request skip the
-    hold, nothing more; the request still needs the API key to get past the proxy at all."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    Readable by all (create_beside makes 0600): on a system install the proxy runs as its own
+    user and reads the mark that root's `b70ctl switch` writes. The mark's token lets a request
+    skip the hold, nothing more; the request still needs the API key to get past the proxy."""
+    fd, tmp = create_beside(path)
     try:
         os.fchmod(fd, 0o644)
         with os.fdopen(fd, "w") as f:
