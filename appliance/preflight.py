@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from appliance import gpu, processes, run, runtimes, systemd
+from appliance import gpu, processes, runtimes, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.gpu import memgate
@@ -101,6 +101,8 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
                 )
     else:
         cli = runtimes.container_cli(config, rt)
+        from appliance import run  # subprocess: only for a runtime in a container
+
         out = run.run(
             [cli, "image", "inspect", rt.image or ""],
             timeout_s=30,

@@ -13,8 +13,6 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from appliance import run
-
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -157,6 +155,8 @@ def process_tree(pid: int) -> set[int]:
 
 
 def container_pid(cli: str, name: str) -> int | None:
+    from appliance import run  # subprocess: only for a runtime in a container
+
     out = run.ask([cli, "inspect", "--format", "{{.State.Pid}}", name], timeout_s=10)
     if out is None:
         return None

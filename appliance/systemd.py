@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from appliance import run
 from appliance.errors import ApplianceError
 from appliance.layout import Scope
 
@@ -267,5 +266,7 @@ def journal_command(
 
 
 def journal_excerpt(scope: Scope, unit: str, lines: int = 30, since: float | None = None) -> str:
+    from appliance import run  # subprocess: only when a journal is read
+
     out = run.ask(journal_command(scope, unit, lines, since=since), timeout_s=10)
     return out.stdout.strip() if out is not None else ""
