@@ -259,7 +259,7 @@ def sample(
                 save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
         units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
         units[PROXY_UNIT] = sd.state(PROXY_UNIT)
-    o = observed[0]  # the first runtime by name: the one the ring and the state file describe
+    o = observed[0]  # the first runtime by name: the one the state file describes
     first = watched[o.runtime or ""]
     m.runtime, m.failures, m.restarts = first.runtime, first.failures, first.restarts
     proxy = health.probe(
@@ -267,7 +267,7 @@ def sample(
     )
     snap = gpu.snapshot(gpu.sysroot())
     exporter.update(observed, m, units, proxy.healthy, snap, lay.state_dir, watched)
-    samples.append(lay.state_dir, samples.sample_of(o, exporter.snapshot["held"].now, snap))
+    samples.append(lay.state_dir, samples.sample_of(observed, exporter.snapshot["held"].now, snap))
     doc = save(lay.state_dir, m, o, log)
     doc["observations"] = [asdict(each) for each in observed]
     return doc

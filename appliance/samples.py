@@ -21,8 +21,10 @@ KEEP_S = 3600.0
 SLACK_S = 300.0
 
 
-def sample_of(o: Any, held_now: int, snap: Any) -> dict[str, Any]:
-    """One line of the ring: the runtime and its work, requests held, and VRAM per card."""
+def sample_of(observed: list[Any], held_now: int, snap: Any) -> dict[str, Any]:
+    """One line of the ring: each runtime watched and its work (several serve side by side on
+    their own cards), requests held, and VRAM per card. `runtime` and `state` name the first
+    by name; `healthy` says every serving runtime is; `in_flight` is the sum of those known."""
     cards = []
     for mem in snap.devices:
         units: dict[str, int] = {}
@@ -37,14 +39,26 @@ def sample_of(o: Any, held_now: int, snap: Any) -> dict[str, Any]:
                 "units": units,
             }
         )
+    first = observed[0]
+    watched = [o for o in observed if o.runtime is not None]
+    serving = [o for o in watched if o.unit_state == "active"]
+    known = [o.in_flight for o in watched if o.in_flight is not None]
     return {
-        "t": round(o.at, 3),
-        "runtime": o.runtime,
-        "state": o.unit_state,
-        "healthy": o.healthy,
-        "switching": o.switching,
-        "in_flight": o.in_flight,
-        "generated": o.generated,
+        "t": round(first.at, 3),
+        "runtime": first.runtime,
+        "state": first.unit_state,
+        "healthy": bool(serving) and all(o.healthy for o in serving),
+        "switching": first.switching,
+        "in_flight": sum(known) if known else None,
+        "runtimes": {
+            o.runtime: {
+                "state": o.unit_state,
+                "healthy": o.healthy,
+                "in_flight": o.in_flight,
+                "generated": o.generated,  # tokens since it started: tokens/s between samples
+            }
+            for o in watched
+        },
         "held": held_now,
         "cards": cards,
     }

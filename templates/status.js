@@ -53,6 +53,10 @@ function drawUnits() {
     if (u.engine !== u.runtime) name.append(el("span", { class: "dim" }, u.engine));
     row.append(name, el("td", { class: "dim" }, u.active + " (" + u.sub + ")"));
     row.append(el("td", { class: "dim" }, u.cards || "the card"));
+    const work = works(samples[samples.length - 1])[u.runtime];
+    const tps = rates()[u.runtime];
+    const doing = work && work.in_flight != null ? work.in_flight + " in flight" : "";
+    row.append(el("td", { class: "dim", "data-tps": u.runtime }, tps == null ? doing : rate(tps) + " tok/s" + (doing && " · " + doing)));
     const cell = el("td");
     const button = el("button", { "data-switch": u.runtime }, u.active === "active" ? "serving" : "switch");
     button.disabled = u.active === "active" || !!busy;
@@ -63,15 +67,37 @@ function drawUnits() {
   }
 }
 
+// Each runtime's work in a sample; a line written before samples named their runtimes has
+// the one runtime's figures at its top.
+function works(s) {
+  if (!s) return {};
+  if (s.runtimes) return s.runtimes;
+  return s.runtime ? { [s.runtime]: { generated: s.generated, in_flight: s.in_flight } } : {};
+}
+
+// Tokens/s per runtime, between the last two samples in which it said how many it generated.
+function rates() {
+  const out = {};
+  for (let i = samples.length - 1; i > 0; i--) {
+    const a = samples[i - 1], b = samples[i], wa = works(a), wb = works(b);
+    for (const name of Object.keys(wb)) {
+      if (name in out || !wa[name] || b.t <= a.t) continue;
+      const ga = wa[name].generated, gb = wb[name].generated;
+      if (ga != null && gb != null && gb >= ga) out[name] = (gb - ga) / (b.t - a.t);
+    }
+    if (Object.keys(out).length >= Object.keys(works(samples[samples.length - 1])).length) break;
+  }
+  return out;
+}
+
+function rate(tps) {
+  return tps == null ? "–" : tps.toFixed(tps < 10 ? 1 : 0);
+}
+
 function drawNow() {
   const s = samples[samples.length - 1];
-  let tps = null;
-  for (let i = samples.length - 1; i > 0 && tps == null; i--) {
-    const a = samples[i - 1], b = samples[i];
-    if (a.generated != null && b.generated != null && b.generated >= a.generated && b.t > a.t)
-      tps = (b.generated - a.generated) / (b.t - a.t);
-  }
-  $("tps").textContent = tps == null ? "–" : tps.toFixed(tps < 10 ? 1 : 0);
+  const r = Object.values(rates());
+  $("tps").textContent = r.length ? rate(r.reduce((x, y) => x + y, 0)) : "–";
   $("inflight").textContent = s && s.in_flight != null ? s.in_flight : "–";
   $("held").textContent = state.held_now;
   const h = $("health");

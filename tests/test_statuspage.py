@@ -110,3 +110,21 @@ def test_the_ring_keeps_the_last_hour_and_drops_the_rest_in_one_rewrite(tmp_path
     assert samples.read(tmp_path)[-1]["t"] == now + 10
     assert all(isinstance(s["t"], float) for s in samples.read(tmp_path))
     assert json.loads((tmp_path / SAMPLES).read_text().splitlines()[-1])["t"] == now + 10
+
+
+def test_a_sample_holds_each_runtime_side_by_side() -> None:
+    from appliance.gpu import Snapshot
+    from appliance.plans import Observation
+
+    chat = Observation(5.0, "chat", "active", "running", 7, True, "", False, 2, 100.0)
+    vision = Observation(5.0, "vision", "active", "running", 8, False, "", False, 1, 40.0)
+    sample = samples.sample_of([chat, vision], 0, Snapshot([], 0, []))
+    assert sample["runtime"] == "chat" and sample["in_flight"] == 3
+    assert sample["healthy"] is False  # one runtime serving side by side does not answer
+    assert sample["runtimes"] == {
+        "chat": {"state": "active", "healthy": True, "in_flight": 2, "generated": 100.0},
+        "vision": {"state": "active", "healthy": False, "in_flight": 1, "generated": 40.0},
+    }
+    nothing = Observation(5.0, None, None, None, None, False, "no runtime", False)
+    empty = samples.sample_of([nothing], 0, Snapshot([], 0, []))
+    assert empty["runtimes"] == {} and empty["in_flight"] is None and empty["healthy"] is False
