@@ -8,10 +8,12 @@ For each switch it prints:
   verify     the completion through the proxy that proves the switch;
   overhead   wall - unit - verify: the controller's own cost (start-up, preflight, polling, enable).
 
-The package's bytecode is compiled first, as `pip install` does: b70ctl from an installed wheel
-never compiles its modules at start-up, and neither does a checkout whose Python may write
-__pycache__. Where PYTHONDONTWRITEBYTECODE is set and nothing compiled them, every run would
-compile the controller's modules from source again (about 0.1 s here).
+The switches are run by b70ctl as `pip install` leaves it (the README's install on a real
+B70): the package built and installed into a virtual environment of its own, its bytecode
+compiled, its dependencies reached through a path file. The checkout's editable install would
+add its import finder to every start-up (about 30 ms here: it imports pathlib, urllib.parse and
+importlib.util before b70ctl runs), and a checkout whose Python may not write __pycache__
+would compile every module from source again (about 0.1 s).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import json
 import statistics
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,17 +48,38 @@ def show(env: dict[str, str], unit: str) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split("=", 1) for line in out.stdout.splitlines())}
 
 
+def installed_b70ctl(where: Path) -> list[str]:
+    """b70ctl installed from this checkout into a virtual environment of its own under
+    `where`, as pip installs it; the dependencies are this environment's."""
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = Path(sysconfig.get_path("purelib", vars={"base": str(venv)}))
+    (site / "b70-deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+    subprocess.run([*pip, "--target", str(site), str(REPO)], check=True)
+    compileall.compile_dir(site / "appliance", quiet=1)
+    launch = "import sys; from appliance.cli import main; sys.argv[0] = 'b70ctl'; main()"
+    return [str(venv / "bin" / "python"), "-c", launch]
+
+
 def main() -> None:
     cache, rounds = sys.argv[1], int(sys.argv[2])
-    compileall.compile_dir(REPO / "appliance", quiet=1)
     rows: dict[str, list[dict[str, float]]] = {"llamacpp -> vllm": [], "vllm -> llamacpp": []}
-    with demo_appliance(cache) as demo:
-        env, base = demo.env, demo.b70ctl
+    with (
+        tempfile.TemporaryDirectory(prefix="b70-bench-ctl.") as ctl,
+        demo_appliance(cache) as demo,
+    ):
+        env = demo.env
+        base = [*installed_b70ctl(Path(ctl)), *demo.b70ctl[1:]]  # the same --user --config
         for _ in range(rounds):
             for old, new in (("llamacpp", "vllm"), ("vllm", "llamacpp")):
                 t0 = time.monotonic()
                 out = subprocess.run(
-                    [*base, "switch", new, "--json"], env=env, capture_output=True, text=True
+                    [*base, "switch", new, "--json"],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    cwd=ctl,  # not the checkout: its appliance/ would come first on the path
                 )
                 wall = time.monotonic() - t0
                 if out.returncode != 0:
