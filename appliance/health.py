@@ -22,6 +22,8 @@ PROXY_HEALTH_PATH = "/health/liveliness"  # /health would send a completion to e
 
 @dataclass(frozen=True)
 class Answer:
+    """An HTTP answer: its status and body."""
+
     status: int
     body: bytes
 
@@ -78,6 +80,8 @@ def request(
 
 @dataclass(frozen=True)
 class Probe:
+    """A health probe: whether it passed, and what it saw."""
+
     healthy: bool
     detail: str
 

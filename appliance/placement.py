@@ -43,6 +43,8 @@ LEVEL_ZERO_DRIVERS = frozenset({"xe", "i915"})
 
 @dataclass(frozen=True)
 class Card:
+    """One card of [gpu] cards: its place in the list, PCI address, ordinal and DRM nodes."""
+
     index: int  # in the appliance's card list
     pci: str
     ordinal: int  # Level Zero's number for it on the host, in PCI order

@@ -41,6 +41,8 @@ class Observed:
 
 @dataclass(frozen=True)
 class Options:
+    """How a switch was asked for: --restart, --gate, the drain's limit."""
+
     restart: bool = False  # start the target again even when it serves
     gate: bool = False  # run the validity gates before the switch counts
     drain_s: float = 60.0  # how long the old runtime may take to finish what it answers
@@ -74,6 +76,8 @@ ROLLED_BACK = frozenset({START, VERIFY, GATE})
 
 @dataclass(frozen=True)
 class Plan:
+    """A switch's steps, the runtimes it stops, and how to put them back."""
+
     steps: tuple[Step, ...]
     rollback: tuple[Step, ...]  # when a step in ROLLED_BACK fails
     already: bool = False  # the target serves already: nothing changes
@@ -113,6 +117,8 @@ def plan_rollback(stopping: tuple[str, ...], target: str) -> tuple[Step, ...]:
 
 @dataclass
 class Observation:
+    """One runtime as the monitor saw it in one sample."""
+
     at: float
     runtime: str | None  # the runtime whose unit is active or activating
     unit_state: str | None  # its ActiveState
@@ -143,6 +149,8 @@ class Memory:
 
 @dataclass(frozen=True)
 class Action:
+    """What the monitor does about a runtime: restart it, or fail over."""
+
     kind: str  # "restart" or "failover"
     runtime: str
     reason: str

@@ -21,6 +21,8 @@ LISTEN = "0A"  # the TCP_LISTEN state as /proc/net/tcp writes it (include/net/tc
 
 @dataclass(frozen=True)
 class Listener:
+    """A process listening on a port (pid None: another user's)."""
+
     pid: int | None
     command: str | None
 

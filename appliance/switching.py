@@ -64,6 +64,8 @@ class Edges(Protocol):
 
 @dataclass
 class SwitchResult:
+    """What a switch did: its phases, notes, answer and outcome."""
+
     target: str
     previous: str | None
     ok: bool

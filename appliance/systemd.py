@@ -28,6 +28,8 @@ MANAGER_PATH = b"/org/freedesktop/systemd1"
 
 @dataclass(frozen=True)
 class UnitState:
+    """A unit as its manager describes it."""
+
     name: str
     load_state: str
     active_state: str

@@ -6,7 +6,9 @@ For each switch it prints:
   runtime    the new runtime's start-up: ExecStart to healthy (ExecMainStart -> ActiveEnter);
   unit       from the old unit's stop to the new unit active (what systemd does for the switch);
   verify     the completion through the proxy that proves the switch;
-  overhead   wall - unit - verify: the controller's own cost (start-up, preflight, polling, enable).
+  overhead   wall - unit - verify: the controller's own cost (start-up, preflight, polling, enable);
+  before     of the overhead, what came before the old unit's stop began (start-up, preflight);
+  after      and what came after the new unit was active (noticing it, enable, record, exit).
 
 The switches are run by b70ctl as `pip install` leaves it (the README's install on a real
 B70): the package built and installed into a virtual environment of its own, its bytecode
@@ -48,7 +50,7 @@ def show(env: dict[str, str], unit: str) -> dict[str, int]:
     return {k: int(v) for k, v in (line.split("=", 1) for line in out.stdout.splitlines())}
 
 
-def installed_b70ctl(where: Path) -> list[str]:
+def installed_b70ctl(where: Path) -> str:
     """b70ctl installed from this checkout into a virtual environment of its own under
     `where`, as pip installs it; the dependencies are this environment's."""
     venv = where / "venv"
@@ -58,57 +60,71 @@ def installed_b70ctl(where: Path) -> list[str]:
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
     subprocess.run([*pip, "--target", str(site), str(REPO)], check=True)
     compileall.compile_dir(site / "appliance", quiet=1)
-    launch = "import sys; from appliance.cli import main; sys.argv[0] = 'b70ctl'; main()"
-    return [str(venv / "bin" / "python"), "-c", launch]
+    script = venv / "bin" / "b70ctl"  # the console script, in the shape pip writes it
+    script.write_text(
+        f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom appliance.cli import main\n"
+        "if __name__ == '__main__':\n    sys.argv[0] = 'b70ctl'\n    sys.exit(main())\n"
+    )
+    script.chmod(0o755)
+    # The proxy is found beside b70ctl, as in an installation: this environment's LiteLLM.
+    (venv / "bin" / "litellm").symlink_to(Path(sys.executable).parent / "litellm")
+    return str(script)
+
+
+def switches(
+    env: dict[str, str], base: list[str], rounds: int, cwd: str
+) -> dict[str, list[dict[str, float]]]:
+    """`rounds` switches each way, each split into the figures of the module's docstring."""
+    rows: dict[str, list[dict[str, float]]] = {"llamacpp -> vllm": [], "vllm -> llamacpp": []}
+    for _ in range(rounds):
+        for old, new in (("llamacpp", "vllm"), ("vllm", "llamacpp")):
+            t0 = time.monotonic()
+            out = subprocess.run(
+                [*base, "switch", new, "--json"],
+                env=env,
+                capture_output=True,
+                text=True,
+                cwd=cwd,  # not the checkout: its appliance/ would come first on the path
+            )
+            wall = time.monotonic() - t0
+            if out.returncode != 0:
+                raise SystemExit(f"switch to {new} failed:\n{out.stdout}{out.stderr}")
+            result = json.loads(out.stdout)["result"]
+            o, n = show(env, f"b70-{old}.service"), show(env, f"b70-{new}.service")
+            stop = (o["InactiveEnterTimestampMonotonic"] - o["ActiveExitTimestampMonotonic"]) / 1e6
+            runtime = (
+                n["ActiveEnterTimestampMonotonic"] - n["ExecMainStartTimestampMonotonic"]
+            ) / 1e6
+            unit = (n["ActiveEnterTimestampMonotonic"] - o["ActiveExitTimestampMonotonic"]) / 1e6
+            verify = result["phases"]["verified"]
+            # systemd's monotonic timestamps are this clock's: what came before the old unit's
+            # stop began, and what came after the new one was active (less the verification).
+            before = o["ActiveExitTimestampMonotonic"] / 1e6 - t0
+            after = t0 + wall - n["ActiveEnterTimestampMonotonic"] / 1e6 - verify
+            row = {
+                "wall": wall,
+                "stop": stop,
+                "runtime": runtime,
+                "unit": unit,
+                "verify": verify,
+                "overhead": wall - unit - verify,
+                "before": before,
+                "after": after,
+            }
+            rows[f"{old} -> {new}"].append(row)
+            print(
+                f"{old:>8} -> {new:<8} " + "  ".join(f"{k} {v:6.2f} s" for k, v in row.items()),
+                flush=True,
+            )
+    return rows
 
 
 def main() -> None:
     cache, rounds = sys.argv[1], int(sys.argv[2])
-    rows: dict[str, list[dict[str, float]]] = {"llamacpp -> vllm": [], "vllm -> llamacpp": []}
-    with (
-        tempfile.TemporaryDirectory(prefix="b70-bench-ctl.") as ctl,
-        demo_appliance(cache) as demo,
-    ):
-        env = demo.env
-        base = [*installed_b70ctl(Path(ctl)), *demo.b70ctl[1:]]  # the same --user --config
-        for _ in range(rounds):
-            for old, new in (("llamacpp", "vllm"), ("vllm", "llamacpp")):
-                t0 = time.monotonic()
-                out = subprocess.run(
-                    [*base, "switch", new, "--json"],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    cwd=ctl,  # not the checkout: its appliance/ would come first on the path
-                )
-                wall = time.monotonic() - t0
-                if out.returncode != 0:
-                    raise SystemExit(f"switch to {new} failed:\n{out.stderr}")
-                result = json.loads(out.stdout)["result"]
-                o, n = show(env, f"b70-{old}.service"), show(env, f"b70-{new}.service")
-                stop = (
-                    o["InactiveEnterTimestampMonotonic"] - o["ActiveExitTimestampMonotonic"]
-                ) / 1e6
-                runtime = (
-                    n["ActiveEnterTimestampMonotonic"] - n["ExecMainStartTimestampMonotonic"]
-                ) / 1e6
-                unit = (
-                    n["ActiveEnterTimestampMonotonic"] - o["ActiveExitTimestampMonotonic"]
-                ) / 1e6
-                verify = result["phases"]["verified"]
-                row = {
-                    "wall": wall,
-                    "stop": stop,
-                    "runtime": runtime,
-                    "unit": unit,
-                    "verify": verify,
-                    "overhead": wall - unit - verify,
-                }
-                rows[f"{old} -> {new}"].append(row)
-                print(
-                    f"{old:>8} -> {new:<8} " + "  ".join(f"{k} {v:6.2f} s" for k, v in row.items()),
-                    flush=True,
-                )
+    with tempfile.TemporaryDirectory(prefix="b70-bench-ctl.") as ctl:
+        b70ctl = installed_b70ctl(Path(ctl))  # it installs the demo: its units run it too
+        with demo_appliance(cache, b70ctl=b70ctl) as demo:
+            rows = switches(demo.env, demo.b70ctl, rounds, cwd=ctl)
     print(f"\nmedians over {rounds} round(s):")
     for direction, samples in rows.items():
         med = {k: statistics.median(r[k] for r in samples) for k in samples[0]}

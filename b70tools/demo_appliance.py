@@ -42,11 +42,13 @@ def demo_appliance(
     prefix: str = "b70-bench.",
     key_from: Path | None = None,
     threads: int = 2,
+    b70ctl: str = B70CTL,
 ) -> Iterator[Demo]:
     """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML; with
     `key_from`, that proxy.env's key (a fleet shares one); llama-server on `threads` threads
     (two boxes on one 2-core machine want 1 each: llama.cpp's threads spin while they wait for
-    each other, and two servers of 2 threads on 2 cores slow each other to a crawl)."""
+    each other, and two servers of 2 threads on 2 cores slow each other to a crawl); `b70ctl`
+    installs it, and its units run that one."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
     subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)
@@ -62,7 +64,7 @@ def demo_appliance(
         text += f"\n[monitor]\nport = {free_port()}\n"
     config = root / "appliance.toml"
     config.write_text(text + extra)
-    demo = Demo(env, [B70CTL, "--user", "--config", str(config)], proxy_port, backend_port)
+    demo = Demo(env, [b70ctl, "--user", "--config", str(config)], proxy_port, backend_port)
     if key_from is not None:
         demo.key_file.parent.mkdir(parents=True, exist_ok=True)
         demo.key_file.write_bytes(key_from.read_bytes())

@@ -23,6 +23,8 @@ from appliance.layout import Scope
 
 @dataclasses.dataclass
 class Context:
+    """What every command gets: the config's path, the scope, --debug and --json."""
+
     config_path: Path | None
     scope: Scope
     debug: bool

@@ -48,6 +48,8 @@ DEFAULT_START_TIMEOUT_S: dict[Engine, float] = {Engine.LLAMACPP: 300.0, Engine.V
 
 @dataclass(frozen=True)
 class ProxyConfig:
+    """[proxy]: the LiteLLM door on :8000, its workers, key and hold."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "b70"
@@ -66,12 +68,16 @@ class ProxyConfig:
 
 @dataclass(frozen=True)
 class BackendConfig:
+    """[backend]: where the runtimes listen by default."""
+
     host: str = "127.0.0.1"
     port: int = 8001
 
 
 @dataclass(frozen=True)
 class GpuConfig:
+    """[gpu]: the device and cards, the memory a start needs free, how long to wait for it."""
+
     device: str = "auto"
     # The cards runtimes index (appliance.placement): "auto" (every B70, in PCI address order),
     # PCI addresses, or None when the config names no cards (one card, no device selection).
@@ -82,6 +88,8 @@ class GpuConfig:
 
 @dataclass(frozen=True)
 class MonitorConfig:
+    """[monitor]: how often it samples, when it restarts, where it serves."""
+
     host: str = "127.0.0.1"
     port: int = 9101
     interval_s: float = 5.0
@@ -106,6 +114,8 @@ class PeersConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
+    """One [runtimes.NAME]: its engine, how it is launched, its model, cards and port."""
+
     name: str
     engine: Engine
     launcher: Launcher
@@ -141,6 +151,8 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """The whole appliance.toml, checked."""
+
     path: Path
     default_runtime: str
     proxy: ProxyConfig

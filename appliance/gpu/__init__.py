@@ -32,6 +32,8 @@ def sysroot() -> Path:
 
 @dataclass
 class DeviceMemory:
+    """One card's memory: total, used, where the figures came from, who holds it."""
+
     device: Device
     total_bytes: int | None
     used_bytes: int | None
@@ -57,6 +59,8 @@ class DeviceMemory:
 
 @dataclass
 class Snapshot:
+    """Every card's memory at one moment."""
+
     devices: list[DeviceMemory]
     unreadable_pids: int
     ignored: list[Device]  # DRM cards that are not Intel

@@ -22,6 +22,8 @@ def parse_size(text: str) -> int | None:
 
 @dataclass(frozen=True)
 class DrmClient:
+    """One DRM client of a process, from its fdinfo: driver, device and VRAM."""
+
     driver: str
     pdev: str | None
     client_id: str | None
@@ -64,6 +66,8 @@ def parse_cgroup_unit(text: str) -> str | None:
 
 @dataclass
 class Holder:
+    """A process holding GPU memory: pid, command, unit, bytes per card."""
+
     pid: int
     command: str | None
     unit: str | None
@@ -72,6 +76,8 @@ class Holder:
 
 @dataclass
 class ProcScan:
+    """The holders found in /proc, and the processes that could not be read."""
+
     holders: list[Holder]
     unreadable_pids: int
 

@@ -25,6 +25,8 @@ def gib(n: int | None) -> str:
 
 @dataclass(frozen=True)
 class Verdict:
+    """Whether a start fits in the GPU's free memory, and why."""
+
     ok: bool
     reason: str
     device: str | None = None

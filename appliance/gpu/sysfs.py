@@ -15,6 +15,8 @@ KNOWN_NAMES = {0xE223: "Intel Arc Pro B70"}
 
 @dataclass(frozen=True)
 class Device:
+    """An Intel GPU as sysfs shows it: PCI slot, ids, driver and DRM nodes."""
+
     pci_slot: str
     vendor_id: int
     device_id: int

@@ -41,6 +41,8 @@ DRM_IOCTL_XE_DEVICE_QUERY = _iowr(DRM_COMMAND_BASE + DRM_XE_DEVICE_QUERY, DEVICE
 
 @dataclass(frozen=True)
 class Region:
+    """One memory region of an xe device, from DRM_XE_DEVICE_QUERY_MEM_REGIONS."""
+
     mem_class: int
     instance: int
     total_bytes: int

@@ -34,6 +34,8 @@ PEER_HEADER = "x-b70-peer"
 
 @dataclass(frozen=True)
 class Mark:
+    """A switch's hold: who holds, for which runtime and ports, and its token."""
+
     pid: int
     target: str
     since: float  # epoch seconds
@@ -136,6 +138,8 @@ def read_mark(state_dir: Path) -> Mark | None:
 
 @dataclass
 class HeldCounts:
+    """Requests held at the proxy: now, in all, and those that timed out."""
+
     now: int = 0  # requests waiting at this moment
     total: int = 0  # requests that had to wait, ever
     timed_out: int = 0  # of those, answered 503 when the hold time ran out
