@@ -222,6 +222,19 @@ def test_a_switch_over_two_runtimes_holds_drains_and_brings_back_both() -> None:
     assert "rolled back: a, b are serving again" in error.value.message
 
 
+def test_the_runtimes_a_switch_stops_drain_within_one_limit() -> None:
+    """Their requests were all let through before the hold, so they drain at once: a second
+    drain gets what is left of the limit, not a limit of its own."""
+    clock = Clock()
+    fake = Edges(clock, seconds={"drain a 60": 45.0})
+    cards = {"a": frozenset({0}), "b": frozenset({1}), "wide": frozenset({0, 1})}
+    plan = plans.plan_switch(plans.Observed(("a", "b"), cards), "wide", plans.Options())
+    interrupts = Interrupts(lambda phase, detail: None)
+    result = Executor(fake, clock, interrupts, "wide", "a, b", 8000, 0.0).run(plan)
+    assert [c for c in fake.calls if c.startswith("drain")] == ["drain a 60", "drain b 15"]
+    assert result.ok and result.phases["drained"] == 45.0
+
+
 def test_a_rollback_that_fails_says_so() -> None:
     fake, error = execute("llamacpp", "vllm", fail={"start vllm", "start llamacpp"})
     assert "rolling back to llamacpp failed as well: start llamacpp failed" in error.message
