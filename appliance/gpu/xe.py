@@ -3,7 +3,6 @@ on a render node, in the byte layout of include/uapi/drm/xe_drm.h."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 from dataclasses import dataclass
@@ -91,6 +90,7 @@ def query_mem_regions(root: Path, render_node: str) -> list[Region]:
     reliable = has_perfmon(read_text(root / "proc" / "self" / "status") or "")
     if path.is_file():
         return parse_mem_regions(path.read_bytes(), reliable)
+    import ctypes  # a buffer with an address, for the real ioctl only
     import fcntl
 
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
