@@ -3,6 +3,7 @@ directory. appliance.switching decides nothing here; it calls these in the order
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 import time
@@ -79,6 +80,13 @@ def verify_through_proxy(
             if time.monotonic() > deadline:
                 raise
             time.sleep(VERIFY_RETRY_S)
+
+
+def _import_quietly(module: str) -> None:
+    """Import ahead of need; a failure is left to the import where the module is used, which
+    reports it as any other error (a thread's own would print a traceback)."""
+    with contextlib.suppress(Exception):
+        importlib.import_module(module)
 
 
 class SystemEdges:
@@ -164,7 +172,7 @@ class SystemEdges:
         sd.start(rt.unit)
         # What the verification needs (http.client: 30 ms to import on 2 cores) is imported
         # while systemd stops the old runtime and starts this one, not after.
-        threading.Thread(target=importlib.import_module, args=("appliance.health",)).start()
+        threading.Thread(target=_import_quietly, args=("appliance.health",)).start()
         others = [o for o in config.runtimes.values() if o.name != rt.name and excludes(o, rt)]
         stop_budget = sum(runtimes.stop_timeouts(o).unit_s for o in others) + 30
         return wait_started(sd, rt.unit, rt.start_timeout_s + stop_budget, self.progress)
