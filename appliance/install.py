@@ -192,7 +192,7 @@ def install(
                 check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
             runtime_units = [rt.unit for rt in config.runtimes.values()]
             for port in sorted({rt.port for rt in config.runtimes.values()}):
-                check_port(sd, runtime_units, port, "backend")
+                check_port(sd, runtime_units, port, "backend", config)
         result = _write(config, lay, sd, files, changed, progress)
         if now:
             _start_proxy(sd, changed, result, progress)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 
-from appliance import gpu, processes, runtimes, systemd
+from appliance import gpu, runtimes, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.gpu import memgate
 from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout
 from appliance.rendered import installed_as_rendered
-from appliance.units import check_port
+from appliance.units import check_port, container_pids
 
 
 def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeConfig) -> list[str]:
@@ -20,7 +20,7 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
     if sd.load_state(target.unit) != "loaded":
         raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
     check_runtime_files(config, target)
-    check_port(sd, [rt.unit for rt in config.runtimes.values()], target.port, "backend")
+    check_port(sd, [rt.unit for rt in config.runtimes.values()], target.port, "backend", config)
     if sd.active_state(PROXY_UNIT) != "active":
         raise _preflight(
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
@@ -59,18 +59,6 @@ def check_installed(config: Config, lay: Layout, names: tuple[str, ...]) -> None
                 f"{dest} differs from what {config.path} renders",
                 "run `b70ctl render --diff` to see how, then `b70ctl install`",
             )
-
-
-def container_pids(config: Config) -> set[int]:
-    """Processes of the appliance's containers: they live outside the b70 units' cgroups."""
-    pids: set[int] = set()
-    for rt in config.runtimes.values():
-        if rt.launcher is not Launcher.NATIVE:
-            cli = runtimes.container_cli(config, rt)
-            pid = processes.container_pid(cli, runtimes.container_name(rt))
-            if pid:
-                pids |= processes.process_tree(pid)
-    return pids
 
 
 def _preflight(message: str, hint: str) -> ApplianceError:

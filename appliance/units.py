@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from appliance import processes, systemd
-from appliance.config import Config
+from appliance import processes, runtimes, systemd
+from appliance.config import Config, Launcher
 from appliance.errors import ApplianceError
 from appliance.placement import excludes
 
@@ -104,10 +104,18 @@ def active_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
     return out
 
 
-def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> None:
-    """Refuse a port that a process outside `units` listens on, naming that process."""
+def check_port(
+    sd: systemd.Systemd, units: list[str], port: int, role: str, config: Config | None = None
+) -> None:
+    """Refuse a port that a process outside `units` listens on, naming that process. With
+    `config`, the processes of its runtimes' containers are the appliance's too: a container's
+    server (host network) is not in its unit's process tree, and the engine is asked for it
+    only when a listener is found outside the units."""
     pids = [pid for unit in units if (pid := sd.main_pid(unit))]
     foreign = processes.foreign_listeners(port, pids)
+    if foreign and config is not None:
+        ours = container_pids(config)
+        foreign = [listener for listener in foreign if listener.pid not in ours]
     if foreign:
         raise ApplianceError(
             f"the {role} port {port} is held by {processes.describe(foreign)}, "
@@ -115,6 +123,18 @@ def check_port(sd: systemd.Systemd, units: list[str], port: int, role: str) -> N
             hint=f"stop that process, or choose another [{role}] port in the config",
             code="port_busy",
         )
+
+
+def container_pids(config: Config) -> set[int]:
+    """Processes of the appliance's containers: they live outside the b70 units' cgroups."""
+    pids: set[int] = set()
+    for rt in config.runtimes.values():
+        if rt.launcher is not Launcher.NATIVE:
+            cli = runtimes.container_cli(config, rt)
+            pid = processes.container_pid(cli, runtimes.container_name(rt))
+            if pid:
+                pids |= processes.process_tree(pid)
+    return pids
 
 
 def enable_only(config: Config, sd: systemd.Systemd, name: str) -> None:

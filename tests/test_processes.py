@@ -132,3 +132,28 @@ def test_a_free_port_is_known_free_without_psutil(no_psutil: None) -> None:
         assert processes.listening_sockets(port) == set()
         assert processes.foreign_listeners(port, []) == []
         assert processes.listeners(port) == []
+
+
+def test_a_containers_server_is_the_appliances(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runtime in a container serves from outside its unit's process tree (host network): the
+    port check asks the engine for the container's processes before it calls one foreign."""
+    from appliance import units
+    from appliance.config import parse
+    from appliance.errors import ApplianceError
+
+    class Manager:
+        def main_pid(self, unit: str) -> int:
+            return 100  # the engine's client, the unit's main process
+
+    server = processes.Listener(4242, "python3 -m vllm.entrypoints.openai.api_server")
+    monkeypatch.setattr(processes, "foreign_listeners", lambda port, pids: [server])
+    cfg = parse('default_runtime = "v"\n[runtimes.v]\nengine = "vllm"\nmodel = "/m"\n', Path("t"))
+    asked: list[object] = []
+    monkeypatch.setattr(units, "container_pids", lambda config: asked.append(config) or {4242})
+    units.check_port(Manager(), ["b70-v.service"], PORT, "backend", cfg)  # type: ignore[arg-type]
+    assert asked == [cfg]
+    with pytest.raises(ApplianceError, match="held by pid 4242"):
+        units.check_port(Manager(), ["b70-v.service"], PORT, "backend")  # type: ignore[arg-type]
+    monkeypatch.setattr(units, "container_pids", lambda config: set())
+    with pytest.raises(ApplianceError, match="not part of the appliance"):
+        units.check_port(Manager(), ["b70-v.service"], PORT, "backend", cfg)  # type: ignore[arg-type]
