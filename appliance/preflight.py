@@ -69,8 +69,9 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
     where = f"runtimes.{rt.name}"
     if rt.launcher is Launcher.NATIVE:
         exe = rt.command[0]
-        found = exe if os.path.isabs(exe) else None
-        if found is None:  # named without its directory: look it up on PATH
+        if os.path.isabs(exe):
+            found: str | None = exe
+        else:  # named without its directory: look it up on PATH
             import shutil
 
             found = shutil.which(exe)

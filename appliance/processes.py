@@ -31,6 +31,11 @@ def listeners(port: int) -> list[Listener]:
     """Processes listening on a TCP port (pid None: a socket of another user)."""
     if listening_sockets(port) == set():  # /proc says nobody: no need to scan every process
         return []
+    return _scanned(port)
+
+
+def _scanned(port: int) -> list[Listener]:
+    """The listeners on `port`, from psutil's scan of every process's sockets."""
     import psutil
 
     found = []
@@ -64,7 +69,7 @@ def foreign_listeners(port: int, main_pids: list[int], proc: str = "/proc") -> l
     ours: set[int] = set()
     for pid in main_pids:
         ours |= process_tree(pid)
-    return [listener for listener in listeners(port) if listener.pid not in ours]
+    return [listener for listener in _scanned(port) if listener.pid not in ours]
 
 
 def listening_sockets(port: int, proc: str = "/proc") -> set[int] | None:

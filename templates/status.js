@@ -46,6 +46,7 @@ function drawUnits() {
   const table = $("units");
   table.querySelectorAll("tr.unit").forEach((r) => r.remove());
   const busy = (state.job && !state.job.done) || state.switching_to;
+  const latest = works(samples[samples.length - 1]), rated = rates();
   for (const u of state.units) {
     const row = el("tr", { class: "unit", "data-runtime": u.runtime, "data-active": u.active });
     const name = el("td");
@@ -53,8 +54,8 @@ function drawUnits() {
     if (u.engine !== u.runtime) name.append(el("span", { class: "dim" }, u.engine));
     row.append(name, el("td", { class: "dim" }, u.active + " (" + u.sub + ")"));
     row.append(el("td", { class: "dim" }, u.cards || "the card"));
-    const work = works(samples[samples.length - 1])[u.runtime];
-    const tps = rates()[u.runtime];
+    const work = latest[u.runtime];
+    const tps = rated[u.runtime];
     const doing = work && work.in_flight != null ? work.in_flight + " in flight" : "";
     row.append(el("td", { class: "dim", "data-tps": u.runtime }, tps == null ? doing : rate(tps) + " tok/s" + (doing && " · " + doing)));
     const cell = el("td");

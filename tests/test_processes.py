@@ -78,7 +78,7 @@ def test_a_listener_outside_the_units_is_described_by_psutil(
     proc = proc_tree(tmp_path, [tcp_line(PORT, "0A", 77)])
     process(proc, 100, children=[], sockets=[55])
     stranger = processes.Listener(4242, "python3 -m http.server 8001")
-    monkeypatch.setattr(processes, "listeners", lambda port: [stranger])
+    monkeypatch.setattr(processes, "_scanned", lambda port: [stranger])
     monkeypatch.setattr(processes, "process_tree", lambda pid: {pid})
     assert processes.foreign_listeners(PORT, [100], str(proc)) == [stranger]
 
@@ -90,7 +90,7 @@ def test_an_unreadable_proc_falls_back_to_psutil(
     (proc / "net").mkdir(parents=True)
     (proc / "net" / "tcp").write_text(TCP_HEADER + f"   0: 0100007F:{PORT:04X} garbage\n")
     asked: list[int] = []
-    monkeypatch.setattr(processes, "listeners", lambda port: asked.append(port) or [])
+    monkeypatch.setattr(processes, "_scanned", lambda port: asked.append(port) or [])
     assert processes.listening_sockets(PORT, str(proc)) is None
     assert processes.foreign_listeners(PORT, [], str(proc)) == []
     assert asked == [PORT]
