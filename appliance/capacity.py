@@ -1,12 +1,8 @@
 """Capacity math for `b70ctl plan`: what a model costs in memory and how fast it can decode.
 
-Pure functions of a Hugging Face config.json (hybrid Gated-DeltaNet models such as Qwen3-Next
-included) and the dtype and quantization choices:
+Pure functions of a Hugging Face config.json (its shape and byte costs: appliance.shape) and
+the dtype and quantization choices:
 
-- GDN state per request: value heads x key dim x value dim x linear layers x state bytes
-  (plus the small causal-conv state, reported apart);
-- KV cache per token of the full-attention layers: 2 x KV heads x head dim x layers x KV bytes;
-- weights, from the parameter count per layer type (MoE experts included);
 - per card under tensor parallelism over `cards` cards: weights, what is offloaded to the CPU,
   the cache budget, and the requests that fit as vLLM lays out its cache (appliance.paging);
 - the memory-bound decode step: bytes read per step / bandwidth (of all the cards; the
@@ -23,169 +19,21 @@ from typing import Any
 
 from appliance import paging
 from appliance.errors import ApplianceError
+from appliance.shape import (
+    DTYPE_BYTES,
+    QUANT_BITS,
+    Params,
+    Shape,
+    conv_state_bytes,
+    count_params,
+    gdn_state_bytes,
+    kv_bytes_per_token,
+    parse_shape,
+    weight_bytes,
+)  # fmt: skip
+from appliance.sizes import GIB
 
-DTYPE_BYTES = {
-    "fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
-    "fp8": 1.0, "int8": 1.0,
-}  # fmt: skip
-# Bits per weight of the quantized linear layers, scales included.
-QUANT_BITS = {
-    "none": None,  # the weights dtype
-    "fp8": 8.0,
-    "gptq-int4": 4.0 + (16 + 4) / 128,  # 4-bit weights, an fp16 scale and a 4-bit zero per 128
-    "gptq-int8": 8.0 + (16 + 8) / 128,
-    "q8_0": 8.5,  # GGUF: 32 weights share an fp16 scale
-    "q4_k_m": 4.85,  # GGUF mixture, the average llama.cpp reports for Q4_K_M
-}
 CARDS = {"b70": (32 * 1024**3, 608e9)}  # Intel Arc Pro B70: 32 GB GDDR6, 608 GB/s
-MIB = 1024**2
-GIB = 1024**3
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    vocab: int
-    tied: bool
-    full_layers: int
-    linear_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    gated_attention: bool
-    lin_k_heads: int
-    lin_v_heads: int
-    lin_k_dim: int
-    lin_v_dim: int
-    conv_kernel: int
-    experts: int
-    experts_per_tok: int
-    moe_inter: int
-    shared_inter: int
-    dense_inter: int
-
-
-def _int(cfg: Mapping[str, Any], key: str, default: int | None = None, least: int = 1) -> int:
-    value = cfg.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        if default is None:
-            raise ApplianceError(
-                f"config.json: {key} is missing or not an integer",
-                hint="pass the model's Hugging Face config.json",
-                code="plan_input_invalid",
-            )
-        value = default
-    if value < least:
-        raise ApplianceError(
-            f"config.json: {key} is {value}; it must be at least {least}",
-            hint="pass the model's Hugging Face config.json",
-            code="plan_input_invalid",
-        )
-    return value
-
-
-def parse_shape(cfg: Mapping[str, Any]) -> Shape:
-    text = cfg.get("text_config")
-    if isinstance(text, dict):  # multimodal configs nest the language model
-        cfg = {**cfg, **text}
-    layers = _int(cfg, "num_hidden_layers")
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        full = sum(1 for t in types if t == "full_attention")
-    elif "full_attention_interval" in cfg:
-        interval = _int(cfg, "full_attention_interval")
-        full = layers // interval
-    else:
-        full = layers
-    heads = _int(cfg, "num_attention_heads")
-    hidden = _int(cfg, "hidden_size")
-    return Shape(
-        hidden=hidden,
-        layers=layers,
-        vocab=_int(cfg, "vocab_size"),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        full_layers=full,
-        linear_layers=layers - full,
-        heads=heads,
-        kv_heads=_int(cfg, "num_key_value_heads", heads),
-        head_dim=_int(cfg, "head_dim", hidden // heads),
-        gated_attention=bool(cfg.get("attn_output_gate", False)),
-        lin_k_heads=_int(cfg, "linear_num_key_heads", 0, least=0),
-        lin_v_heads=_int(cfg, "linear_num_value_heads", 0, least=0),
-        lin_k_dim=_int(cfg, "linear_key_head_dim", 0, least=0),
-        lin_v_dim=_int(cfg, "linear_value_head_dim", 0, least=0),
-        conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
-        experts=_int(cfg, "num_experts", 0, least=0),
-        experts_per_tok=_int(cfg, "num_experts_per_tok", 0, least=0),
-        moe_inter=_int(cfg, "moe_intermediate_size", 0, least=0),
-        shared_inter=_int(cfg, "shared_expert_intermediate_size", 0, least=0),
-        dense_inter=_int(cfg, "intermediate_size", 0, least=0),
-    )
-
-
-def gdn_state_bytes(s: Shape, state_dtype: str) -> int:
-    return int(
-        s.lin_v_heads * s.lin_k_dim * s.lin_v_dim * s.linear_layers * DTYPE_BYTES[state_dtype]
-    )
-
-
-def conv_state_bytes(s: Shape, dtype: str) -> int:
-    conv_dim = 2 * s.lin_k_heads * s.lin_k_dim + s.lin_v_heads * s.lin_v_dim
-    return int(conv_dim * (s.conv_kernel - 1) * s.linear_layers * DTYPE_BYTES[dtype])
-
-
-def kv_bytes_per_token(s: Shape, kv_dtype: str) -> int:
-    return int(2 * s.kv_heads * s.head_dim * s.full_layers * DTYPE_BYTES[kv_dtype])
-
-
-@dataclass(frozen=True)
-class Params:
-    embed: int
-    lm_head: int
-    attention: int  # every full-attention layer
-    linear: int  # every GDN layer
-    experts: int  # every routed expert of every layer
-    always: int  # shared experts, routers and dense MLPs: read for every token
-
-    @property
-    def total(self) -> int:
-        return self.embed + self.lm_head + self.attention + self.linear + self.experts + self.always
-
-
-def count_params(s: Shape) -> Params:
-    q_out = s.heads * s.head_dim * (2 if s.gated_attention else 1)
-    attn = (
-        s.hidden * q_out + 2 * s.hidden * s.kv_heads * s.head_dim + s.heads * s.head_dim * s.hidden
-    )
-    key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
-    gdn = s.hidden * (2 * key_dim + 2 * value_dim)  # in_proj_qkvz
-    gdn += s.hidden * 2 * s.lin_v_heads  # in_proj_ba
-    gdn += (2 * key_dim + value_dim) * s.conv_kernel  # conv1d
-    gdn += value_dim * s.hidden  # out_proj
-    if s.experts:
-        experts = s.layers * s.experts * 3 * s.hidden * s.moe_inter
-        always = s.layers * (3 * s.hidden * s.shared_inter + s.hidden * s.experts + s.hidden)
-    else:
-        experts = 0
-        always = s.layers * 3 * s.hidden * s.dense_inter
-    return Params(
-        embed=s.vocab * s.hidden,
-        lm_head=0 if s.tied else s.vocab * s.hidden,
-        attention=s.full_layers * attn,
-        linear=s.linear_layers * gdn,
-        experts=experts,
-        always=always,
-    )
-
-
-def weight_bytes(p: Params, quant: str, dtype: str) -> int:
-    """Quantization applies to the linear layers; embeddings and the head stay in `dtype`."""
-    bits = QUANT_BITS[quant]
-    dense = DTYPE_BYTES[dtype]
-    per_linear = bits / 8 if bits is not None else dense
-    linear = p.attention + p.linear + p.experts + p.always
-    return int(linear * per_linear + (p.embed + p.lm_head) * dense)
 
 
 # vLLM's defaults for its OpenAI server on a card under 70 GiB (EngineArgs._set_default_args
@@ -298,27 +146,20 @@ def plan(
     request = gdn + conv + kv * tokens
     paging.split_heads(s, cards)
     per_card = weights // cards  # linear layers, embedding and head are all split over the cards
-    offload = cpu_offload_bytes
+    offload = min(cpu_offload_bytes, per_card)
     if offload_embeddings_only:
         offload = min(offload, int(p.embed * DTYPE_BYTES[dtype]) // cards)
-    offload = min(offload, per_card)
     profile = profile_peak_bytes(s, cards, batched_tokens, max_seqs, dtype)
     budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes - profile
-    if cache_bytes is not None:
-        budget = cache_bytes
+    budget = budget if cache_bytes is None else cache_bytes
     pages = paging.layout(
         s, cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[dtype],
         state_bytes=DTYPE_BYTES[state_dtype], tokens=tokens, available_bytes=budget,
         align=block_align,
     )  # fmt: skip
     per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
-    active = (
-        p.attention
-        + p.linear
-        + p.always
-        + p.lm_head
-        + int(s.layers * s.experts_per_tok * per_expert)
-    )
+    routed = int(s.layers * s.experts_per_tok * per_expert)
+    active = p.attention + p.linear + p.always + p.lm_head + routed
     scale = weights / p.total if p.total else 0.0
     steps = [
         decode_step(s, p, batch, scale, per_expert, gdn, kv * tokens, bandwidth * cards)

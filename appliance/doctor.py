@@ -14,10 +14,10 @@ from pathlib import Path
 
 from appliance import modelfiles, placement, run
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
-from appliance.config.model import GIB
 from appliance.errors import ApplianceError, ConfigError
 from appliance.gpu import xe
 from appliance.gpu.sysfs import Device, read_devices, read_text
+from appliance.sizes import GIB
 
 # Owners running four B70s report multi-card collectives broken on kernels before 7.1.
 COLLECTIVES_KERNEL = (7, 1)

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from appliance.errors import ApplianceError
-from appliance.runtimes import GENERATED_METRICS, METRICS_PATH, metric_sum, parse_in_flight
+from appliance.runtimes import (
+    GENERATED_METRICS,
+    HEALTH_PATH,
+    METRICS_PATH,
+    metric_sum,
+    parse_in_flight,
+)  # fmt: skip
 
 PROXY_HEALTH_PATH = "/health/liveliness"  # /health would send a completion to every model
 
@@ -114,7 +120,7 @@ def read_work(base_url: str, timeout_s: float = 2.0) -> tuple[int | None, float 
 
 
 def health_url(base_url: str, engine: str) -> str:
-    return base_url + (PROXY_HEALTH_PATH if engine == "litellm" else "/health")
+    return base_url + (PROXY_HEALTH_PATH if engine == "litellm" else HEALTH_PATH)
 
 
 def chat_completion(

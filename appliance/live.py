@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from appliance.config.model import GIB
+from appliance.sizes import GIB
 
 if TYPE_CHECKING:
     from appliance.layout import Scope

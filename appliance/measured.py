@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from appliance.config.model import GIB
 from appliance.errors import ApplianceError
+from appliance.sizes import GIB
 
 INFO = "vllm:cache_config_info"
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')

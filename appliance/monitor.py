@@ -79,7 +79,7 @@ def _probe(config: Config, rt: RuntimeConfig, o: Observation) -> None:
     """Its health, a probe completion, and its own metrics, into the observation."""
     mon = config.monitor
     url = runtimes.backend_url(config, rt)
-    probe = health.probe(url + "/health", timeout_s=mon.health_timeout_s)
+    probe = health.probe(url + runtimes.HEALTH_PATH, timeout_s=mon.health_timeout_s)
     o.healthy, o.detail = probe.healthy, f"/health: {probe.detail}"
     if o.healthy and mon.probe_completion:
         o.healthy, o.detail = _probe_completion(url, rt.served_model_name, mon.probe_timeout_s)

@@ -70,19 +70,7 @@ def table(rows: list[list[str]]) -> str:
 
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"runtime   {s['active_runtime'] or ', '.join(s['active_runtimes']) or 'none active'}"]
-    placed = any(u.get("cards") for u in s["units"])
-    # Runtimes side by side: which port and name each serves
-    served = len({(u["port"], u["model"]) for u in s["units"] if u.get("port")}) > 1
-    rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID", "RESTARTS"] + (["CARDS"] if placed else [])]
-    rows[0] += ["PORT", "MODEL"] if served else []
-    for u in s["units"]:
-        restarts = "-" if u.get("restarts") is None else str(u["restarts"])
-        pid = str(u["main_pid"] or "-")
-        row = [u["unit"], u["active"], u["sub"], u["enabled"] or "-", pid, restarts]
-        row += [u.get("cards") or "-"] if placed else []
-        row += [str(u.get("port") or "-"), u.get("model") or "-"] if served else []
-        rows.append(row)
-    lines.append(table(rows))
+    lines.append(_units_table(s["units"]))
     for key in ("backend", "proxy"):
         p = s[key]
         lines.append(
@@ -95,22 +83,7 @@ def render_status(s: dict[str, Any]) -> str:
             f"requests  {doing}{held['held_now']} waiting at the proxy now, "
             f"{held['held_total']} waited since it started, {held['timed_out_total']} got 503"
         )
-    last = s.get("last_switch")
-    if last:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"]))
-        outcome = (
-            "ok" if last["ok"] else ("failed, rolled back" if last["rolled_back"] else "failed")
-        )
-        if last.get("interrupted"):
-            outcome += ", interrupted"
-        lines.append(
-            f"last switch  {last['from'] or '-'} -> {last['to']} at {when}, "
-            f"{last['seconds']:.1f} s, {outcome}"
-        )
-        if last.get("error"):
-            lines.append("  " + last["error"].splitlines()[0])
-    else:
-        lines.append("last switch  none")
+    lines += _last_switch_lines(s.get("last_switch"))
     killed = s.get("killed_switch")
     if killed:
         lines.append(
@@ -132,6 +105,38 @@ def render_status(s: dict[str, Any]) -> str:
             result = f" -> {a['result']}" if a.get("result") else ""
             lines.append(f"  last action   {a['what']} {a['runtime']}: {a['reason']}{result}")
     return "\n".join(lines)
+
+
+def _units_table(units: list[dict[str, Any]]) -> str:
+    placed = any(u.get("cards") for u in units)
+    # Runtimes side by side: which port and name each serves
+    served = len({(u["port"], u["model"]) for u in units if u.get("port")}) > 1
+    rows = [["UNIT", "ACTIVE", "SUB", "ENABLED", "PID", "RESTARTS"] + (["CARDS"] if placed else [])]
+    rows[0] += ["PORT", "MODEL"] if served else []
+    for u in units:
+        restarts = "-" if u.get("restarts") is None else str(u["restarts"])
+        pid = str(u["main_pid"] or "-")
+        row = [u["unit"], u["active"], u["sub"], u["enabled"] or "-", pid, restarts]
+        row += [u.get("cards") or "-"] if placed else []
+        row += [str(u.get("port") or "-"), u.get("model") or "-"] if served else []
+        rows.append(row)
+    return table(rows)
+
+
+def _last_switch_lines(last: dict[str, Any] | None) -> list[str]:
+    if not last:
+        return ["last switch  none"]
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"]))
+    outcome = "ok" if last["ok"] else ("failed, rolled back" if last["rolled_back"] else "failed")
+    if last.get("interrupted"):
+        outcome += ", interrupted"
+    lines = [
+        f"last switch  {last['from'] or '-'} -> {last['to']} at {when}, "
+        f"{last['seconds']:.1f} s, {outcome}"
+    ]
+    if last.get("error"):
+        lines.append("  " + last["error"].splitlines()[0])
+    return lines
 
 
 def render_switch(r: dict[str, Any]) -> str:

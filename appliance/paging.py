@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 
 from appliance.errors import ApplianceError
 
-if TYPE_CHECKING:  # appliance.capacity imports this module
-    from appliance.capacity import Shape
+if TYPE_CHECKING:  # appliance.shape needs nothing from here; kept for typing only
+    from appliance.shape import Shape
 
 DEFAULT_ALIGN = 16  # vLLM's attention kernel alignment of block sizes, unless the backend says
 NULL_BLOCKS = 1  # the block pool keeps one block that no request gets

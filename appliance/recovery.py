@@ -59,21 +59,36 @@ def recover_killed(
         done = f"{serving[0]} is serving; it is now the runtime enabled at boot"
         enable_only(config, sd, serving[0])
     else:
-        enabled = [n for n, u in sorted(group.items()) if sd.state(u).unit_file_state == "enabled"]
-        default = config.default_runtime if config.default_runtime in group else sorted(group)[0]
-        name = enabled[0] if enabled else default
-        rt = config.runtime(name)
-        progress("recovering", f"no runtime is serving: starting {rt.unit}")
-        sd.reset_failed(rt.unit)
-        sd.start(rt.unit)
-        enable_only(config, sd, name)
-        done = f"no runtime was serving; started {name}, the runtime enabled at boot"
-        if wait:
-            try:
-                wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
-            except ApplianceError as e:
-                done += f", which failed: {e.message}"
+        done = _start_enabled(config, sd, group, progress, wait)
     (lay.state_dir / hold_mark.HOLD_FILE).unlink(missing_ok=True)
+    _record_killed(lay, trace, done, progress)
+    return done
+
+
+def _start_enabled(
+    config: Config, sd: systemd.Systemd, group: dict[str, str], progress: Progress, wait: bool
+) -> str:
+    """No runtime serves on the killed switch's cards: start the one enabled at boot there (the
+    default runtime if none is). Returns what was done."""
+    enabled = [n for n, u in sorted(group.items()) if sd.state(u).unit_file_state == "enabled"]
+    default = config.default_runtime if config.default_runtime in group else sorted(group)[0]
+    name = enabled[0] if enabled else default
+    rt = config.runtime(name)
+    progress("recovering", f"no runtime is serving: starting {rt.unit}")
+    sd.reset_failed(rt.unit)
+    sd.start(rt.unit)
+    enable_only(config, sd, name)
+    done = f"no runtime was serving; started {name}, the runtime enabled at boot"
+    if wait:
+        try:
+            wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)
+        except ApplianceError as e:
+            done += f", which failed: {e.message}"
+    return done
+
+
+def _record_killed(lay: Layout, trace: dict[str, Any], done: str, progress: Progress) -> None:
+    """The killed switch goes into the switch history as interrupted, with what recovery did."""
     pid, phase = trace.get("pid"), trace.get("phase")
     error = f"b70ctl switch (pid {pid}) was killed during {phase or 'its start-up'}; {done}"
     record: dict[str, Any] = {
@@ -89,7 +104,6 @@ def recover_killed(
     }
     unrecorded = state.record_switch(lay.state_dir, record)
     progress("recovered", error + (f" ({unrecorded})" if unrecorded else ""))
-    return done
 
 
 def _wait_settled(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:

@@ -23,17 +23,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     active = [
         n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"
     ]
-    # Each serving runtime's port (side by side, several); none serving: the [backend] port
-    urls = [runtimes.backend_url(config, config.runtimes[n]) for n in active]
-    urls = urls or [runtimes.backend_url(config)]
-    probes = [health.probe(url + "/health") for url in urls]
-    backend = health.Probe(
-        all(p.healthy for p in probes),
-        "; ".join(
-            p.detail if len(probes) == 1 else f"{url}: {p.detail}"
-            for url, p in zip(urls, probes, strict=True)
-        ),
-    )
+    urls, backend = _probe_backends(config, active)
     proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
     foreign = backend_squatter(config, states)
     cards = cards_view(config)
@@ -46,20 +36,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         "active_runtime": active[0] if len(active) == 1 else None,
         "active_runtimes": active,
         "units": [
-            {
-                "unit": s.name,
-                "load": s.load_state,
-                "active": s.active_state,
-                "sub": s.sub_state,
-                "enabled": s.unit_file_state,
-                "main_pid": s.main_pid,
-                "result": s.result,
-                "since_us": s.active_enter_us,
-                "restarts": s.n_restarts,  # systemd's own count (NRestarts)
-                "cards": cards.get(s.name),
-                **served.get(s.name, {}),
-            }
-            for s in states.values()
+            _unit_view(s, cards.get(s.name), served.get(s.name, {})) for s in states.values()
         ],
         "backend": {
             "url": " ".join(urls),
@@ -78,6 +55,37 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         # the next command (or the monitor) once that job ends.
         "killed_switch": killed,
         "monitor": monitor_view(lay.state_dir),
+    }
+
+
+def _probe_backends(config: Config, active: list[str]) -> tuple[list[str], health.Probe]:
+    """Each serving runtime's port (side by side, several); none serving: the [backend] port.
+    One probe of them all: healthy when each is."""
+    urls = [runtimes.backend_url(config, config.runtimes[n]) for n in active]
+    urls = urls or [runtimes.backend_url(config)]
+    probes = [health.probe(url + runtimes.HEALTH_PATH) for url in urls]
+    return urls, health.Probe(
+        all(p.healthy for p in probes),
+        "; ".join(
+            p.detail if len(probes) == 1 else f"{url}: {p.detail}"
+            for url, p in zip(urls, probes, strict=True)
+        ),
+    )
+
+
+def _unit_view(s: systemd.UnitState, cards: str | None, served: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "unit": s.name,
+        "load": s.load_state,
+        "active": s.active_state,
+        "sub": s.sub_state,
+        "enabled": s.unit_file_state,
+        "main_pid": s.main_pid,
+        "result": s.result,
+        "since_us": s.active_enter_us,
+        "restarts": s.n_restarts,  # systemd's own count (NRestarts)
+        "cards": cards,
+        **served,
     }
 
 

@@ -135,29 +135,15 @@ def main() -> None:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
     server = subprocess.Popen(
         [
-            python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            model_dir,
-            "--served-model-name",
-            "smollm2",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--enforce-eager",
-            "--max-model-len",
-            "2048",
-            "--dtype",
-            "bfloat16",
-            "--max-num-seqs",
-            str(max(c, 1)),
+            python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+            "--served-model-name", "smollm2", "--host", "127.0.0.1", "--port", str(port),
+            "--enforce-eager", "--max-model-len", "2048", "--dtype", "bfloat16",
+            "--max-num-seqs", str(max(c, 1)),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-    )
+    )  # fmt: skip
     rows: dict[str, list[dict[str, float]]] = {"vllm bench serve": [], "b70ctl bench": []}
     try:
         wait_healthy(url, server)

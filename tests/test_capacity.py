@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from appliance import capacity, paging
+from appliance import shape as model_shape
 from appliance.cli import cli
 from appliance.errors import ApplianceError
 
@@ -22,15 +23,15 @@ def cfg() -> dict[str, object]:
 
 
 def test_the_b70_recipe_gdn_state_is_60_mib_in_fp32_and_half_in_fp16() -> None:
-    shape = capacity.parse_shape(cfg())
+    shape = model_shape.parse_shape(cfg())
     assert (shape.linear_layers, shape.lin_v_heads, shape.lin_k_dim, shape.lin_v_dim) == (
         30,
         32,
         128,
         128,
     )
-    assert capacity.gdn_state_bytes(shape, "fp32") == 60 * MIB
-    assert capacity.gdn_state_bytes(shape, "fp16") == 30 * MIB
+    assert model_shape.gdn_state_bytes(shape, "fp32") == 60 * MIB
+    assert model_shape.gdn_state_bytes(shape, "fp16") == 30 * MIB
 
 
 def test_layer_types_list_and_interval_agree() -> None:
@@ -39,18 +40,18 @@ def test_layer_types_list_and_interval_agree() -> None:
     listed["layer_types"] = [
         "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)
     ]
-    assert capacity.parse_shape(listed) == capacity.parse_shape(cfg())
+    assert model_shape.parse_shape(listed) == model_shape.parse_shape(cfg())
 
 
 def test_kv_cache_per_token_counts_only_full_attention_layers() -> None:
-    shape = capacity.parse_shape(cfg())
+    shape = model_shape.parse_shape(cfg())
     assert shape.full_layers == 10
-    assert capacity.kv_bytes_per_token(shape, "fp8") == 2 * 2 * 256 * 10 * 1
-    assert capacity.kv_bytes_per_token(shape, "bf16") == 2 * 2 * 256 * 10 * 2
+    assert model_shape.kv_bytes_per_token(shape, "fp8") == 2 * 2 * 256 * 10 * 1
+    assert model_shape.kv_bytes_per_token(shape, "bf16") == 2 * 2 * 256 * 10 * 2
 
 
 def test_parameter_count_by_hand() -> None:
-    p = capacity.count_params(capacity.parse_shape(cfg()))
+    p = model_shape.count_params(model_shape.parse_shape(cfg()))
     h, v = 2048, 248320
     attention = h * (16 * 256 * 2) + 2 * h * 2 * 256 + 16 * 256 * h
     key_dim, value_dim = 16 * 128, 32 * 128
@@ -156,7 +157,7 @@ def test_the_recipe_model_pads_no_state_at_16_and_asks_four_blocks_a_request() -
     a GDN layer's state is 3 x 8192 x 2 (conv, fp16) + 32 x 128 x 128 x 4 (fp32) = 2146304
     bytes, exactly 131 x 16 KiB: a block of 2096 tokens. 10 attention and 30 GDN layers make
     groups of 10: one attention group and three GDN groups, a block from each a request."""
-    s = capacity.parse_shape(cfg())
+    s = model_shape.parse_shape(cfg())
     g = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP32, tokens=1024,
                       available_bytes=9 * 1024**3)  # fmt: skip
     assert (g.attention_bytes_per_token, g.state_bytes) == (1024, 2146304)
@@ -184,7 +185,7 @@ def test_the_recipe_model_pads_no_state_at_16_and_asks_four_blocks_a_request() -
     ],
 )
 def test_the_block_size_of_qwen3_next_follows_vllm(cards: int, block: int, padding: float) -> None:
-    s = capacity.parse_shape({**NEXT_80B, "num_hidden_layers": 48})
+    s = model_shape.parse_shape({**NEXT_80B, "num_hidden_layers": 48})
     g = paging.layout(s, cards=cards, kv_bytes=FP16, conv_bytes=FP16, state_bytes=FP32,
                       tokens=1024, available_bytes=8 * 1024**3)  # fmt: skip
     assert (s.full_layers, s.linear_layers) == (12, 36)
@@ -195,12 +196,12 @@ def test_the_block_size_of_qwen3_next_follows_vllm(cards: int, block: int, paddi
 
 def test_groups_of_the_larger_count_when_the_counts_are_close() -> None:
     """vLLM groups by the larger layer count when it is under 1.5 times the smaller one."""
-    s = capacity.parse_shape({**cfg(), "num_hidden_layers": 20, "full_attention_interval": 2})
+    s = model_shape.parse_shape({**cfg(), "num_hidden_layers": 20, "full_attention_interval": 2})
     g = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP16, tokens=100,
                       available_bytes=1024**3)  # fmt: skip
     assert (s.full_layers, s.linear_layers) == (10, 10)
     assert (g.group_size, g.attention_groups, g.state_groups) == (10, 1, 1)
-    s = capacity.parse_shape({**cfg(), "layer_types": ["full_attention"] * 8 + [
+    s = model_shape.parse_shape({**cfg(), "layer_types": ["full_attention"] * 8 + [
         "linear_attention"] * 11, "num_hidden_layers": 19})  # fmt: skip
     g = paging.layout(s, cards=1, kv_bytes=FP8, conv_bytes=FP16, state_bytes=FP16, tokens=100,
                       available_bytes=1024**3)  # fmt: skip
@@ -210,7 +211,7 @@ def test_groups_of_the_larger_count_when_the_counts_are_close() -> None:
 def test_a_model_without_gdn_layers_has_blocks_of_the_alignment() -> None:
     dense = {k: v for k, v in cfg().items() if not k.startswith("linear_")}
     dense.pop("full_attention_interval")
-    s = capacity.parse_shape(dense)
+    s = model_shape.parse_shape(dense)
     g = paging.layout(s, cards=1, kv_bytes=FP16, conv_bytes=FP16, state_bytes=FP32,
                       tokens=1000, available_bytes=1024**3)  # fmt: skip
     assert (g.block_size, g.group_size, g.state_groups) == (16, 40, 0)
@@ -314,7 +315,7 @@ def test_the_start_up_profile_peak_of_the_recipe_by_hand() -> None:
     8192 x 2048 copies 96 MiB; beside them the hidden states and the residual, 64 MiB. The MoE
     layer is the largest (a GDN layer's projections are 320 MiB); the sampler's 64 x 248320 fp32
     logits (61 MiB) are smaller."""
-    s = capacity.parse_shape(cfg())
+    s = model_shape.parse_shape(cfg())
     peak = capacity.profile_peak_bytes(s, 1, 8192, 64, "fp16")
     assert peak == (256 + 128 + 64 + 256 + 96 + 64) * MIB
     assert capacity.profile_peak_bytes(s, 1, 0, 64, "fp16") == 0

@@ -42,16 +42,7 @@ TRICKY_ENV = {
 def container_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Appliance, Path]]:
     require_real_parts()
     root = tmp_path_factory.mktemp("containers")
-    bindir = root / "bin"
-    bindir.mkdir()
-    script = (REPO / "tests" / "standins" / "docker").read_text().split("\n", 1)[1]
-    (bindir / "docker").write_text(f"#!{sys.executable}\n{script}")
-    (bindir / "docker").chmod(0o755)
-    record = root / "docker-calls.jsonl"
-    (root / "state").mkdir()
-    settings = {"record": str(record), "state": str(root / "state"), "images": [IMAGE]}
-    settings["entrypoint"] = str(LLAMA_SERVER)
-    (bindir / "standin.json").write_text(json.dumps(settings))
+    bindir, record = docker_standin(root)
     proxy_port, backend_port = free_port(), free_port()
     env_lines = "\n".join(f"{k} = {json.dumps(v)}" for k, v in TRICKY_ENV.items())
     text = f"""
@@ -108,6 +99,21 @@ model = "org/model"
             yield app, record
         finally:
             app.b70ctl("uninstall", "--purge")
+
+
+def docker_standin(root: Path) -> tuple[Path, Path]:
+    """The docker stand-in in root/bin, recording its calls to root/docker-calls.jsonl."""
+    bindir = root / "bin"
+    bindir.mkdir()
+    script = (REPO / "tests" / "standins" / "docker").read_text().split("\n", 1)[1]
+    (bindir / "docker").write_text(f"#!{sys.executable}\n{script}")
+    (bindir / "docker").chmod(0o755)
+    record = root / "docker-calls.jsonl"
+    (root / "state").mkdir()
+    settings = {"record": str(record), "state": str(root / "state"), "images": [IMAGE]}
+    settings["entrypoint"] = str(LLAMA_SERVER)
+    (bindir / "standin.json").write_text(json.dumps(settings))
+    return bindir, record
 
 
 def calls(record: Path) -> list[dict[str, Any]]:

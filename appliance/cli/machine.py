@@ -10,6 +10,7 @@ import click
 from appliance import output
 from appliance.cli.base import Context, cli, unitgate_log, with_json
 from appliance.errors import ApplianceError
+from appliance.sizes import GIB
 
 root_option = click.option(
     "--root",
@@ -113,7 +114,7 @@ def gpu_wait_free(
             code="usage_error",
             exit_code=2,
         )
-    need = int(need_gib * memgate.GIB) if need_gib is not None else need_bytes
+    need = int(need_gib * GIB) if need_gib is not None else need_bytes
     memgate.wait_start(gpu_root(root), devices, need, unit, timeout_s, unitgate_log)
     output.show(ctx.json, {"devices": list(devices), "need_bytes": need, "free": True})
 

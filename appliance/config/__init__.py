@@ -6,7 +6,6 @@ model.py holds the dataclasses, values.py the checks of single values, reader.py
 from appliance.config.model import (
     DEFAULT_COMMAND,
     DEFAULT_START_TIMEOUT_S,
-    GIB,
     RESERVED_FLAGS,
     SYSTEM_CONFIG,
     BackendConfig,
@@ -28,7 +27,6 @@ from appliance.layout import Scope
 __all__ = [
     "DEFAULT_COMMAND",
     "DEFAULT_START_TIMEOUT_S",
-    "GIB",
     "LOOPBACK_NAMES",
     "RESERVED_FLAGS",
     "SYSTEM_CONFIG",

@@ -12,7 +12,6 @@ from appliance.errors import ConfigError
 from appliance.layout import Scope, runtime_unit
 
 SYSTEM_CONFIG = Path("/etc/b70/appliance.toml")
-GIB = 1024**3
 
 
 class Engine(StrEnum):

@@ -15,7 +15,6 @@ from appliance.config.cards import CardKeys
 from appliance.config.model import (
     DEFAULT_COMMAND,
     DEFAULT_START_TIMEOUT_S,
-    GIB,
     RESERVED_FLAGS,
     BackendConfig,
     Config,
@@ -33,7 +32,6 @@ from appliance.config.values import (
     DAY_S,
     HOUR_S,
     MAX_MEMORY_GIB,
-    MIB,
     NAME_RE,
     RESERVED_NAMES,
     check_executable,
@@ -52,6 +50,7 @@ from appliance.config.values import (
 )
 from appliance.config.walk import kind_of
 from appliance.errors import ConfigError
+from appliance.sizes import GIB, MIB
 
 
 def load(path: Path) -> Config:

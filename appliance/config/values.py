@@ -27,7 +27,6 @@ def check_port(value: int) -> str | None:
     return None if 1 <= value <= 65535 else f"{value} is not a TCP port (1-65535)"
 
 
-MIB = 1024**2
 HOUR_S = 3600
 DAY_S = 86400
 MAX_MEMORY_GIB = 1024

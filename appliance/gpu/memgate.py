@@ -13,10 +13,10 @@ from pathlib import Path
 
 from appliance import gpu
 from appliance.errors import ApplianceError
+from appliance.sizes import GIB
 
 POLL_S = 0.25
 APPLIANCE_UNIT_PREFIX = "b70-"
-GIB = 1024**3
 
 
 def gib(n: int | None) -> str:
