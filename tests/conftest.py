@@ -218,6 +218,19 @@ class Appliance:
             base_url=f"http://127.0.0.1:{self.proxy_port}/v1", api_key=self.key, max_retries=0
         )
 
+    def story(self, model: str = "smollm2", max_tokens: int = 300) -> Any:
+        """A long streamed answer, of exactly `max_tokens` tokens, usage in its last chunk."""
+        return self.client().chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Write a long story about the sea."}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            timeout=300,
+        )
+
     def ask(self, prompt: str = "What is the capital of France? Answer in one word.") -> str:
         reply = self.client().chat.completions.create(
             model="smollm2",
@@ -227,6 +240,22 @@ class Appliance:
             timeout=120,
         )
         return reply.choices[0].message.content or ""
+
+
+@contextlib.contextmanager
+def installed(
+    manager: Manager, config: Path, proxy_port: int, backend_port: int, stop: tuple[str, ...] = ()
+) -> Iterator[Appliance]:
+    """The appliance of `config` installed under `manager`, and uninstalled (purged) when the
+    block ends, however it ends. `stop`: units to stop once it is installed."""
+    app = Appliance(manager, config, proxy_port, backend_port)
+    app.b70ctl("install", check=True)
+    try:
+        for unit in stop:
+            manager.systemctl("stop", unit)
+        yield app
+    finally:
+        app.b70ctl("uninstall", "--purge")
 
 
 def llamacpp_counter(port: int, name: str) -> float:
@@ -275,12 +304,8 @@ def appliance_on_cards(
             config = root / "appliance.toml"
             proxy_port, backend_port = free_port(), free_port()
             config.write_text(text(proxy_port, backend_port))
-            app = Appliance(manager, config, proxy_port, backend_port)
-            app.b70ctl("install", check=True)
-            try:
+            with installed(manager, config, proxy_port, backend_port) as app:
                 yield app
-            finally:
-                app.b70ctl("uninstall", "--purge")
     finally:
         shutil.rmtree(tree_root, ignore_errors=True)
 
@@ -304,10 +329,8 @@ memory_needed_gib = 1
     proxy_port, backend_port = free_port(), free_port()
     config = root / "appliance.toml"
     config.write_text(demo_config_text(proxy_port, backend_port, broken))
-    app = Appliance(manager, config, proxy_port, backend_port)
-    app.b70ctl("install", check=True)
     try:
-        yield app
+        with installed(manager, config, proxy_port, backend_port) as app:
+            yield app
     finally:
-        app.b70ctl("uninstall", "--purge")
         shutil.rmtree(root, ignore_errors=True)

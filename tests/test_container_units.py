@@ -25,6 +25,7 @@ from tests.conftest import (
     REPO,
     Appliance,
     free_port,
+    installed,
     require_real_parts,
     running_manager,
     tree_snapshot,
@@ -93,12 +94,8 @@ model = "org/model"
         (dropin / "standin.conf").write_text(f"[Service]\nBindPaths={root}\n")
         cfg = root / "appliance.toml"
         cfg.write_text(text)
-        app = Appliance(manager, cfg, proxy_port, backend_port)
-        app.b70ctl("install", check=True)
-        try:
+        with installed(manager, cfg, proxy_port, backend_port) as app:
             yield app, record
-        finally:
-            app.b70ctl("uninstall", "--purge")
 
 
 def docker_standin(root: Path) -> tuple[Path, Path]:

@@ -19,11 +19,13 @@ import httpx
 import psutil
 import pytest
 
+from appliance.layout import MONITOR_UNIT
 from tests.conftest import (
     HF_MODEL,
     Appliance,
     demo_config_text,
     free_port,
+    installed,
     require_real_parts,
     running_manager,
 )
@@ -40,13 +42,9 @@ def door_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     with running_manager(root / "manager") as manager:
         cfg = root / "appliance.toml"
         cfg.write_text(demo_config_text(proxy_port, backend_port))
-        app = Appliance(manager, cfg, proxy_port, backend_port)
-        app.b70ctl("install", check=True)
-        app.manager.systemctl("stop", "b70-monitor.service")  # its probes would blur the figures
-        try:
+        # The monitor's probes would blur the figures.
+        with installed(manager, cfg, proxy_port, backend_port, stop=(MONITOR_UNIT,)) as app:
             yield app
-        finally:
-            app.b70ctl("uninstall", "--purge")
     # Only now that the manager is stopped: one whose files are gone ignores SIGTERM and lives on.
     shutil.rmtree(root, ignore_errors=True)
 

@@ -14,11 +14,13 @@ import httpx
 import openai
 import pytest
 
+from appliance.layout import MONITOR_UNIT
 from appliance.proxy import hold
 from tests.conftest import (
     Appliance,
     demo_config_text,
     free_port,
+    installed,
     require_real_parts,
     running_manager,
 )
@@ -37,13 +39,9 @@ def held_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     with running_manager(root / "manager") as manager:
         cfg = root / "appliance.toml"
         cfg.write_text(text)
-        app = Appliance(manager, cfg, proxy_port, backend_port)
-        app.b70ctl("install", check=True)
-        app.manager.systemctl("stop", "b70-monitor.service")  # it would heal what we break here
-        try:
+        # The monitor would heal what we break here.
+        with installed(manager, cfg, proxy_port, backend_port, stop=(MONITOR_UNIT,)) as app:
             yield app
-        finally:
-            app.b70ctl("uninstall", "--purge")
     # Only now that the manager is stopped: one whose files are gone ignores SIGTERM and lives on.
     shutil.rmtree(root, ignore_errors=True)
 

@@ -25,6 +25,7 @@ from tests.conftest import (
     Appliance,
     demo_config_text,
     free_port,
+    installed,
     live_pid,
     require_real_parts,
     running_manager,
@@ -78,12 +79,8 @@ fallback = "llamacpp"
         cfg.write_text(text)
         proxy_port = int(text.split("port = ", 1)[1].split("\n", 1)[0])
         backend_port = int(text.split("[backend]", 1)[1].split("port = ", 1)[1].split("\n", 1)[0])
-        app = Appliance(manager, cfg, proxy_port, backend_port)
-        app.b70ctl("install", check=True)
-        try:
+        with installed(manager, cfg, proxy_port, backend_port) as app:
             yield app, model, metrics_port
-        finally:
-            app.b70ctl("uninstall", "--purge")
 
 
 def main_pid(app: Appliance, unit: str) -> int:

@@ -113,16 +113,7 @@ def test_a_switch_on_one_card_holds_nothing_on_the_other(app: Appliance) -> None
     made while the switch holds `chat`'s requests is answered before the switch ends."""
     app.b70ctl("switch", "chat", check=True)
     app.b70ctl("switch", "second", check=True)
-    stream = app.client().chat.completions.create(
-        model="second",
-        messages=[{"role": "user", "content": "Write a long story about the sea."}],
-        max_tokens=200,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-        timeout=300,
-    )
+    stream = app.story("second", 200)
     chunks = iter(stream)
     next(chunks)
     switch = subprocess.Popen(

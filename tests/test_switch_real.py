@@ -210,15 +210,7 @@ def test_a_foreign_gpu_holder_is_named_and_the_switch_refused(
 
 def long_stream(app: Appliance, max_tokens: int) -> Iterator[Any]:
     """A streaming request that keeps llama-server busy for a while; its first chunk is read."""
-    stream = app.client().chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Write a long story about the sea."}],
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-        timeout=300,
-    )
+    stream = app.story(max_tokens=max_tokens)
     chunks = iter(stream)
     next(chunks)
     return chunks
@@ -242,17 +234,7 @@ def test_a_restart_drains_the_stream_in_flight_and_holds_the_next_request(
 ) -> None:
     """llama-server cuts every request in flight on SIGTERM: only the drain saves this stream."""
     appliance.b70ctl("switch", "llamacpp", check=True)
-    client = appliance.client()
-    stream = client.chat.completions.create(
-        model="smollm2",
-        messages=[{"role": "user", "content": "Write a long story about the sea."}],
-        max_tokens=300,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
-        timeout=300,
-    )
+    stream = appliance.story()
     chunks = iter(stream)
     first = next(chunks)  # the runtime is generating now
     switch = start_switch(appliance, "llamacpp", "--restart")
