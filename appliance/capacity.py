@@ -125,15 +125,19 @@ def plan(
     reserve_bytes: int = 0,
     batches: tuple[int, ...] = (1, 64),
     cards: int = 1,
-    block_align: int = paging.DEFAULT_ALIGN,
+    block_align: int | None = None,
     cache_bytes: int | None = None,
     batched_tokens: int = 0,
     max_seqs: int = DEFAULT_MAX_SEQS,
 ) -> Plan:
     """`cpu_offload_bytes` and `reserve_bytes` are per card, as vLLM's --cpu-offload-gb is;
-    `offload_embeddings_only`: --cpu-offload-params embed_tokens, which offloads no more than
-    the embedding's share on each card. `cache_bytes`: the cache of each card as vLLM measured
-    it ("Available KV cache memory" in its log), instead of the budget worked out here.
+    `offload_embeddings_only`: --cpu-offload-params embed_tokens, which offloads nothing: vLLM
+    offloads only parameters of the decoder layers that make_layers builds (v0.31:
+    vllm/model_executor/models/utils.py make_layers, offloader/uva.py wrap_modules), and a
+    model's embed_tokens is built outside them. `block_align`: what the block size of a hybrid
+    model is rounded to; by default XPU's 64 where the model has GDN layers, else vLLM's 16.
+    `cache_bytes`: the cache of each card as vLLM measured it ("Available KV cache memory" in
+    its log), instead of the budget worked out here.
     `batched_tokens`, `max_seqs`: vLLM's --max-num-batched-tokens and --max-num-seqs, which
     size its start-up profile (profile_peak_bytes; 0 tokens: none kept back)."""
     _check_choices(dtype=dtype, kv_dtype=kv_dtype, state_dtype=state_dtype, quant=quant)
@@ -146,16 +150,14 @@ def plan(
     request = gdn + conv + kv * tokens
     paging.split_heads(s, cards)
     per_card = weights // cards  # linear layers, embedding and head are all split over the cards
-    offload = min(cpu_offload_bytes, per_card)
-    if offload_embeddings_only:
-        offload = min(offload, int(p.embed * DTYPE_BYTES[dtype]) // cards)
+    offload = 0 if offload_embeddings_only else min(cpu_offload_bytes, per_card)
     profile = profile_peak_bytes(s, cards, batched_tokens, max_seqs, dtype)
     budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes - profile
     budget = budget if cache_bytes is None else cache_bytes
     pages = paging.layout(
         s, cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[dtype],
         state_bytes=DTYPE_BYTES[state_dtype], tokens=tokens, available_bytes=budget,
-        align=block_align,
+        align=block_align or (paging.XPU_GDN_ALIGN if s.linear_layers else paging.DEFAULT_ALIGN),
     )  # fmt: skip
     per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
     routed = int(s.layers * s.experts_per_tok * per_expert)
@@ -243,7 +245,7 @@ def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
         reserve_bytes=int(options["reserve_gib"] * GIB),
         batches=tuple(options["batches"]) or (1, 64),
         cards=options.get("cards", 1),
-        block_align=options.get("block_align", paging.DEFAULT_ALIGN),
+        block_align=options.get("block_align"),
         cache_bytes=int(cache_gib * GIB) if (cache_gib := options.get("kv_cache_gib")) else None,
         batched_tokens=options.get("batched_tokens", DEFAULT_BATCHED_TOKENS),
         max_seqs=options.get("max_seqs", DEFAULT_MAX_SEQS),

@@ -14,7 +14,7 @@ Read from vLLM's v1 engine (vllm-project/vllm, 2025-2026):
   multiple of the attention kernel's alignment (16 by default) whose page holds the GDN state,
   and pads the GDN page to it (`HybridAttentionMambaModelConfig.verify_and_update_config`,
   model_executor/models/config.py; in newer releases the platform's `update_block_size_for_backend`,
-  where XPU's GDN backend rounds the block size to a multiple of 64: `--block-align 64`).
+  where XPU's GDN backend rounds the block size to a multiple of 64: XPU_GDN_ALIGN).
 - Layers are grouped by type into groups of one size: the smaller type's layer count, or the
   larger's if it is under 1.5 times the smaller (`_get_kv_cache_groups_uniform_page_size`,
   v1/core/kv_cache_utils.py). The cache is group-size tensors of blocks shared by all groups, so
@@ -40,6 +40,10 @@ if TYPE_CHECKING:  # appliance.shape needs nothing from here; kept for typing on
     from appliance.shape import Shape
 
 DEFAULT_ALIGN = 16  # vLLM's attention kernel alignment of block sizes, unless the backend says
+# vLLM on XPU (the B70) rounds a hybrid model's block size up to a multiple of 64 when it has a
+# GDN layer: "kernel only supports block size dividable by 64" (v0.31,
+# XPUPlatform.update_block_size_for_backend in vllm/platforms/xpu.py).
+XPU_GDN_ALIGN = 64
 NULL_BLOCKS = 1  # the block pool keeps one block that no request gets
 
 

@@ -56,10 +56,9 @@ from appliance.errors import ApplianceError
 @click.option(
     "--block-align",
     type=int,
-    default=16,
-    show_default=True,
-    help="What vLLM rounds the attention block size of a hybrid model to: 16 by default, 64 "
-    "with XPU's GDN backend in newer vLLM.",
+    default=None,
+    help="What vLLM rounds the attention block size of a hybrid model to. Default: 64 for a "
+    "model with GDN layers, as vLLM on XPU rounds it; 16, vLLM's own, otherwise.",
 )
 @click.option(
     "--cpu-offload-gib", type=float, default=0.0, show_default=True, help="Per card, as vLLM's."
@@ -70,7 +69,8 @@ from appliance.errors import ApplianceError
     type=click.Choice(["all", "embed_tokens"]),
     default="all",
     show_default=True,
-    help="What may be offloaded: embed_tokens offloads no more than the embedding.",
+    help="What may be offloaded. vLLM offloads only the decoder layers' parameters, so "
+    "embed_tokens offloads nothing.",
 )
 @click.option(
     "--reserve-gib",
