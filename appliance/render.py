@@ -1,6 +1,7 @@
-"""Render the units and the proxy config from one Config, and write files atomically.
+"""Render the units and the proxy config from one Config.
 
-Rendering is pure: data in, {file name: text} out. `write_atomic` is the only writer.
+Rendering is pure: data in, {file name: text} out. Install writes the files, each with
+appliance.files.write_atomic.
 """
 
 from __future__ import annotations
