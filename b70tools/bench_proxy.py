@@ -104,10 +104,12 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def appliance_config(proxy_port: int, backend_port: int, workers: int) -> config_mod.Config:
-    text = (REPO / "examples" / "demo.toml").read_text()
-    cfg = config_mod.parse(text, REPO / "examples" / "demo.toml")
-    proxy = replace(cfg.proxy, port=proxy_port, workers=workers)
-    return replace(cfg, proxy=proxy, backend=replace(cfg.backend, port=backend_port))
+    """examples/demo.toml with its proxy and its runtimes on these ports. The ports are set in
+    the text: reading it gives each runtime its own port, the [backend] one by default."""
+    path = REPO / "examples" / "demo.toml"
+    text = path.read_text().replace("port = 8000", f"port = {proxy_port}")
+    cfg = config_mod.parse(text.replace("port = 8001", f"port = {backend_port}"), path)
+    return replace(cfg, proxy=replace(cfg.proxy, workers=workers))
 
 
 # --- the two parts -----------------------------------------------------------------------------
