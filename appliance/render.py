@@ -134,12 +134,12 @@ def render_runtime_unit(
                 for i, a in enumerate(runtimes.exec_stop_post(config, runtime)[0])
             ]
         )
-    wait_free = [config.b70ctl, "gpu", "wait-free"]
+    # One gate process: the GPU memory (as `b70ctl gpu wait-free`), then the port.
+    gate = [config.b70ctl, "unit", "pre", "--port", str(runtime.port)]
     for device in [c.pci for c in cards] if cards else [config.gpu.device]:
-        wait_free += ["--device", device]
-    wait_free += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
-    pre.append([*wait_free, "--timeout", f"{config.gpu.release_timeout_s:g}"])
-    pre.append([config.b70ctl, "unit", "pre", "--port", str(runtime.port)])
+        gate += ["--device", device]
+    gate += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
+    pre.append([*gate, "--gpu-timeout", f"{config.gpu.release_timeout_s:g}"])
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config, runtime)]
     post += ["--engine", runtime.engine.value, "--pid", MAINPID]
     if runtime.launcher is not Launcher.NATIVE:

@@ -1,7 +1,8 @@
 """The gates every unit runs around its main process, whoever started it.
 
-`pre` (ExecStartPre=): the backend port must be free; a runtime that still holds it is given a
-moment, a foreign process is named and refused.
+`pre` (ExecStartPre=, after the GPU memory gate in the same process: appliance.gpu.memgate):
+the backend port must be free; a runtime that still holds it is given a moment, a foreign
+process is named and refused.
 
 `ready` (ExecStartPost=): poll the health URL until it answers 200 from the unit's own process.
 systemd keeps waiting if the main process dies during ExecStartPost, so the gate checks it on

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -11,6 +12,7 @@ import pytest
 
 from appliance.gpu import memgate
 from b70tools import gpu_trees as t
+from b70tools.net import free_port
 from tests.conftest import B70CTL
 
 GIB = t.GIB
@@ -156,6 +158,26 @@ def test_wait_free_times_out_naming_the_holder(tree: Path) -> None:
         "held by pid 5151 (python3 train.py --epochs 3) in session-3.scope: 20.0 GiB"
     ) in out.stderr
     assert "hint: `b70ctl gpu` shows who holds it" in out.stderr
+
+
+def test_the_units_gate_waits_for_gpu_memory_before_it_looks_at_the_port(tree: Path) -> None:
+    """`b70ctl unit pre`, every runtime unit's ExecStartPre=, does what `gpu wait-free` does
+    first, in the same process; the port comes second."""
+    t.build(tree, [t.Card(t.B70, vram_used=20 * GIB)], [t.foreign()])
+    gate = ["unit", "pre", "--root", str(tree), "--device", "auto"]
+    out = b70ctl(
+        *gate, "--port", str(free_port()), "--need-bytes", str(24 * GIB), "--gpu-timeout", "0"
+    )
+    assert out.returncode == 1
+    assert "error: GPU memory was not free within 0 s: 0000:03:00.0: 12.0 GiB free" in out.stderr
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        fits = b70ctl(*gate, "--port", port, "--need-bytes", str(GIB), "--wait", "0")
+    assert fits.returncode == 1
+    assert "GPU memory: 0000:03:00.0: 12.0 GiB free" in fits.stderr, "the memory gate came first"
+    assert f"error: port {port} is in use by" in fits.stderr
 
 
 def test_level_zero_sysman_is_optional_and_says_why_it_is_absent() -> None:

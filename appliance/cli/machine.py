@@ -127,13 +127,41 @@ def unit() -> None:
 @unit.command("pre")
 @click.option("--port", type=int, required=True)
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=10.0)
+@click.option(
+    "--device",
+    "devices",
+    multiple=True,
+    help="With --need-bytes: first wait as `gpu wait-free` does, on this card (once per card).",
+)
+@click.option("--need-bytes", type=click.IntRange(min=0), default=0)
+@click.option(
+    "--unit", "unit_name", help="The unit about to start (its own memory does not count)."
+)
+@click.option("--gpu-timeout", "gpu_timeout_s", type=click.FloatRange(min=0), default=120)
+@root_option
 @with_json
-def unit_pre(ctx: Context, port: int, wait_s: float) -> None:
-    """ExecStartPre: the backend port must be free."""
+def unit_pre(
+    ctx: Context,
+    port: int,
+    wait_s: float,
+    devices: tuple[str, ...],
+    need_bytes: int,
+    unit_name: str | None,
+    gpu_timeout_s: float,
+    root: Path | None,
+) -> None:
+    """ExecStartPre: the GPU memory the runtime needs is free (with --device), then the backend
+    port is free. One process for both: each b70ctl start costs a runtime's start 0.1-0.2 s."""
     from appliance import unitgate
 
+    if devices:
+        from appliance.gpu import memgate
+
+        memgate.wait_start(
+            gpu_root(root), devices, need_bytes, unit_name, gpu_timeout_s, unitgate_log
+        )
     unitgate.pre(port, wait_s)
-    output.show(ctx.json, {"port": port, "free": True})
+    output.show(ctx.json, {"port": port, "free": True, "devices": list(devices)})
 
 
 @unit.command("ready")
