@@ -1,6 +1,10 @@
 """A stand-in for a runtime that streams: OpenAI-shaped SSE answers, as fast as it can or paced
 like a real card, over raw asyncio HTTP/1.1 so that it costs little next to what it serves.
 
+It answers GET /v1/models as vLLM does (the served name and its max_model_len), so that the
+proxy's door learns the runtime's facts once and keeps them, as it does with a real runtime;
+a runtime that cannot say is asked again every second, beside the requests.
+
 It notes, for every request whose last user message is `bench N`, when the request arrived
 whole and when its first event was written (time.monotonic, which every process on the machine
 shares); GET /stamps hands those notes out, so a benchmark can split a request's time into the
@@ -20,6 +24,11 @@ import time
 from typing import Any
 
 BENCH_ID = re.compile(r"^bench (\d+)$")
+# vLLM's answer to GET /v1/models, as the door reads it (appliance.proxy.backend)
+MODELS = {
+    "object": "list",
+    "data": [{"id": "smollm2", "object": "model", "owned_by": "vllm", "max_model_len": 8192}],
+}
 
 
 def sse_response(path: str, request: dict[str, Any], per_write: int) -> list[bytes]:
@@ -84,6 +93,8 @@ class Source:
         if path == "/stamps":
             text = json.dumps(self.stamps).encode()
             self.stamps = {}
+        elif path == "/v1/models":
+            text = json.dumps(MODELS).encode()
         else:
             text = b'{"status":"ok"}'
         writer.write(

@@ -68,6 +68,41 @@ def test_a_runtime_that_could_not_say_is_asked_again_beside_the_requests() -> No
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(
+    ("status", "body", "again_after"),
+    [
+        (200, {"status": "ok"}, proxy_backend.FACTS_TTL_S),  # another kind of server
+        (404, {"error": "not found"}, proxy_backend.FACTS_TTL_S),
+        (503, {"error": "loading"}, proxy_backend.FRESH_S),  # a runtime loading its model
+    ],
+)
+def test_a_server_that_answers_without_saying_is_not_asked_every_second(
+    status: int, body: dict[str, Any], again_after: float
+) -> None:
+    """It will not say more a second later: asking it beside every request would cost each
+    request a question on the worker's loop. A runtime still loading is asked again soon."""
+    clock, asked = Clock(), []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(status, json=body)
+
+    backend = proxy_backend.Backend("http://runtime", clock, httpx.MockTransport(handle))
+
+    async def scenario() -> None:
+        assert await backend.facts() is None and len(asked) == 1
+        clock.now += proxy_backend.FRESH_S + 0.1
+        assert await backend.facts() is None
+        if backend._asking is not None:
+            await backend._asking
+        assert len(asked) == (2 if again_after == proxy_backend.FRESH_S else 1)
+        clock.now += proxy_backend.FACTS_TTL_S
+        assert await backend.facts(fresh=True) is None, "asked again before a refusal"
+        assert len(asked) == (3 if again_after == proxy_backend.FRESH_S else 2)
+
+    asyncio.run(scenario())
+
+
 def test_a_kept_context_is_renewed_and_never_refuses_on_an_old_answer() -> None:
     clock = Clock()
     runtime = Runtime("llamacpp", context=1024)

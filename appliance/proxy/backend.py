@@ -20,6 +20,8 @@ import httpx
 
 FACTS_TTL_S = 10.0  # a kept context is renewed in the background after this
 FRESH_S = 1.0  # ... and asked again before a refusal, unless it is this recent
+# A runtime that was down or loading is asked again after FRESH_S; one that answered without
+# saying (another kind of server) will not say more a second later: after FACTS_TTL_S.
 BACKEND_TIMEOUT_S = 5.0
 TEMPLATE_SLACK = 512  # tokens a chat template may add beyond the bytes of the body
 MAX_COUNTED_PROMPTS = 8  # long prompts of one completion request the runtime is asked to count
@@ -47,6 +49,7 @@ class Backend:
         self.transport = transport
         self.known: Facts | None = None
         self.known_at = -math.inf
+        self.retry_s = FRESH_S  # when an unknown answer is asked again
         self._client: httpx.AsyncClient | None = None
         self._asking: asyncio.Task[Facts | None] | None = None
 
@@ -65,16 +68,17 @@ class Backend:
     async def facts(self, fresh: bool = False) -> Facts | None:
         """What the runtime said, kept; `fresh`: asked again unless the answer is FRESH_S old.
 
-        A runtime that could not say (down, loading, or one that does not answer these
-        questions) is asked again after FRESH_S, beside the requests: they go on without its
-        facts, as when it cannot count a prompt, rather than each waiting for the question."""
+        A runtime that could not say is asked again beside the requests: after FRESH_S if it
+        was down or loading, after FACTS_TTL_S if it answered without saying (a server that
+        does not answer these questions). The requests go on without its facts meanwhile, as
+        when it cannot count a prompt, rather than each waiting for the question."""
         age = self.clock() - self.known_at
         if self.known is not None and not (fresh and age > FRESH_S):
             if age > FACTS_TTL_S:
                 self._ask()  # renewed in the background; this request goes on with what is known
             return self.known
         if self.known is None and age <= FACTS_TTL_S and not fresh:
-            if age > FRESH_S:
+            if age > self.retry_s:
                 self._ask()
             return None
         return await asyncio.shield(self._ask())
@@ -85,11 +89,16 @@ class Backend:
         return self._asking
 
     async def _read_facts(self) -> Facts | None:
+        retry_s = FACTS_TTL_S
         try:
             facts = await self._query_facts()
+        except (httpx.TransportError, httpx.HTTPStatusError) as e:  # down, or not ready
+            facts = None
+            unready = isinstance(e, httpx.TransportError) or e.response.status_code >= 500
+            retry_s = FRESH_S if unready else FACTS_TTL_S
         except Exception:  # whatever answers on the port, a request never fails because of it
             facts = None
-        self.known, self.known_at = facts, self.clock()
+        self.known, self.known_at, self.retry_s = facts, self.clock(), retry_s
         return facts
 
     async def _query_facts(self) -> Facts | None:
