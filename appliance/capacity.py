@@ -154,10 +154,12 @@ def plan(
     profile = profile_peak_bytes(s, cards, batched_tokens, max_seqs, dtype)
     budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes - profile
     budget = budget if cache_bytes is None else cache_bytes
+    if block_align is None:
+        block_align = paging.XPU_GDN_ALIGN if s.linear_layers else paging.DEFAULT_ALIGN
     pages = paging.layout(
         s, cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[dtype],
         state_bytes=DTYPE_BYTES[state_dtype], tokens=tokens, available_bytes=budget,
-        align=block_align or (paging.XPU_GDN_ALIGN if s.linear_layers else paging.DEFAULT_ALIGN),
+        align=block_align,
     )  # fmt: skip
     per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
     routed = int(s.layers * s.experts_per_tok * per_expert)

@@ -272,6 +272,7 @@ def test_a_shape_that_cannot_be_is_named(key: str, value: int, least: int) -> No
      (["--bandwidth-gbs", "-5"], "--bandwidth-gbs -5 must be more than 0"),
      (["--kv-cache-gib", "0"], "--kv-cache-gib 0 must be more than 0"),
      (["--batch", "0"], "--batch 0 must be at least 1"),
+     (["--block-align", "0"], "--block-align 0 must be at least 1"),
      (["--utilization", "1.5"], "--utilization 1.5 must be in (0, 1]")],
 )  # fmt: skip
 def test_a_size_that_cannot_be_is_refused(option: list[str], message: str) -> None:

@@ -133,11 +133,17 @@ def unit() -> None:
     multiple=True,
     help="With --need-bytes: first wait as `gpu wait-free` does, on this card (once per card).",
 )
-@click.option("--need-bytes", type=click.IntRange(min=0), default=0)
+@click.option("--need-bytes", type=click.IntRange(min=0), default=0, help="With --device.")
 @click.option(
     "--unit", "unit_name", help="The unit about to start (its own memory does not count)."
 )
-@click.option("--gpu-timeout", "gpu_timeout_s", type=click.FloatRange(min=0), default=120)
+@click.option(
+    "--gpu-timeout",
+    "gpu_timeout_s",
+    type=click.FloatRange(min=0),
+    default=120,
+    help="With --device.",
+)
 @root_option
 @with_json
 def unit_pre(
