@@ -36,6 +36,7 @@ from appliance import config as config_mod
 from appliance.layout import Layout, Scope
 from appliance.render import proxy_argv, proxy_environment, render_proxy_config
 from b70tools import stream_client
+from b70tools.demo_appliance import demo_text
 from b70tools.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,11 +105,9 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def appliance_config(proxy_port: int, backend_port: int, workers: int) -> config_mod.Config:
-    """examples/demo.toml with its proxy and its runtimes on these ports. The ports are set in
-    the text: reading it gives each runtime its own port, the [backend] one by default."""
-    path = REPO / "examples" / "demo.toml"
-    text = path.read_text().replace("port = 8000", f"port = {proxy_port}")
-    cfg = config_mod.parse(text.replace("port = 8001", f"port = {backend_port}"), path)
+    """examples/demo.toml with its proxy and its runtimes on these ports (demo_text)."""
+    text = demo_text(proxy_port, backend_port, "~/.cache/b70")
+    cfg = config_mod.parse(text, REPO / "examples" / "demo.toml")
     return replace(cfg, proxy=replace(cfg.proxy, workers=workers))
 
 

@@ -19,6 +19,21 @@ B70CTL = str(Path(sys.executable).parent / "b70ctl")
 USER_MANAGER = str(REPO / "scripts" / "user-manager")
 
 
+def demo_text(
+    proxy_port: int, backend_port: int, cache: str, extra: str = "", threads: int = 2
+) -> str:
+    """examples/demo.toml on these ports, its models in `cache`, llama-server on `threads`
+    threads, plus `extra` TOML, with a monitor port of its own unless `extra` gives one. The
+    ports are set in the text: reading it gives each runtime the [backend] port by default."""
+    text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
+    text = text.replace('"--threads", "2"', f'"--threads", "{threads}"')
+    text = text.replace("port = 8000", f"port = {proxy_port}")
+    text = text.replace("port = 8001", f"port = {backend_port}")
+    if "[monitor]" not in extra:  # a monitor of its own, beside any other appliance
+        text += f"\n[monitor]\nport = {free_port()}\n"
+    return text + extra
+
+
 @dataclass
 class Demo:
     env: dict[str, str]  # reaches the private manager
@@ -55,15 +70,9 @@ def demo_appliance(
     for line in (root / "mgr" / "env").read_text().splitlines():
         key, value = line.removeprefix("export ").split("=", 1)
         env[key] = value
-    text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
-    text = text.replace('"--threads", "2"', f'"--threads", "{threads}"')
     proxy_port, backend_port = free_port(), free_port()
-    text = text.replace("port = 8000", f"port = {proxy_port}")
-    text = text.replace("port = 8001", f"port = {backend_port}")
-    if "[monitor]" not in extra:  # a monitor of its own, beside any other appliance
-        text += f"\n[monitor]\nport = {free_port()}\n"
     config = root / "appliance.toml"
-    config.write_text(text + extra)
+    config.write_text(demo_text(proxy_port, backend_port, cache, extra, threads))
     demo = Demo(env, [b70ctl, "--user", "--config", str(config)], proxy_port, backend_port)
     if key_from is not None:
         demo.key_file.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ import pytest
 # Tests import LiteLLM (the proxy hook): without this it fetches a price list from the internet.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+from b70tools.demo_appliance import demo_text
 from b70tools.net import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,15 +170,9 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Manager]:
 
 
 def demo_config_text(proxy_port: int, backend_port: int, extra: str = "") -> str:
-    """examples/demo.toml on other ports, with the cache paths of this machine."""
-    text = (REPO / "examples" / "demo.toml").read_text()
-    text = text.replace("port = 8000", f"port = {proxy_port}").replace(
-        "port = 8001", f"port = {backend_port}"
-    )
-    text = text.replace("~/.cache/b70", str(CACHE))
-    if "[monitor]" not in extra:  # every appliance under test has a monitor: give it its own port
-        extra += f"\n[monitor]\nport = {free_port()}\n"
-    return text + extra
+    """examples/demo.toml on other ports, with the cache paths of this machine; every appliance
+    under test has a monitor of its own."""
+    return demo_text(proxy_port, backend_port, str(CACHE), extra)
 
 
 @dataclass
