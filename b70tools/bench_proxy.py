@@ -35,7 +35,7 @@ import httpx
 from appliance import config as config_mod
 from appliance.layout import Layout, Scope
 from appliance.render import proxy_argv, proxy_environment, render_proxy_config
-from b70tools import stream_client
+from b70tools import proxy_phases, stream_client
 from b70tools.demo_appliance import demo_text
 from b70tools.net import free_port
 
@@ -75,15 +75,19 @@ def wait_http(url: str, timeout_s: float) -> None:
     raise SystemExit(f"{url} did not answer 200 within {timeout_s:.0f} s")
 
 
-def start_proxy(cfg: config_mod.Config, root: Path, key: str) -> subprocess.Popen[bytes]:
+def start_proxy(
+    cfg: config_mod.Config, root: Path, key: str, phases: Path | None = None
+) -> subprocess.Popen[bytes]:
+    """The proxy as rendered; with `phases`, through b70tools.proxy_phases, noting there."""
     lay = Layout(Scope.USER, root / "units", root / "etc", root / "state")
     lay.etc_dir.mkdir(parents=True, exist_ok=True)
     lay.proxy_config.write_text(render_proxy_config(cfg, lay))
     env = {**os.environ, **proxy_environment(cfg, lay), "LITELLM_MASTER_KEY": key}
     log = open(root / f"proxy-{cfg.proxy.port}.log", "wb")  # noqa: SIM115 - lives with the process
-    proc = subprocess.Popen(
-        proxy_argv(cfg, lay), env=env, stdout=log, stderr=log, start_new_session=True
-    )
+    argv = proxy_argv(cfg, lay)
+    if phases is not None:
+        argv = [sys.executable, "-m", "b70tools.proxy_phases", str(phases), *argv]
+    proc = subprocess.Popen(argv, env=env, stdout=log, stderr=log, start_new_session=True)
     wait_http(f"http://127.0.0.1:{cfg.proxy.port}/health/liveliness", 120)
     return proc
 
@@ -304,6 +308,37 @@ def door_costs(root: Path, workers: int, rounds: int, total_tokens_per_s: float,
     return result
 
 
+def door_phases(root: Path, workers: int, rounds: int, total_tokens_per_s: float,
+                streams: int = 64, tokens: int = 256) -> list[dict[str, float]]:  # fmt: skip
+    """Where a burst's time goes: the proxy through b70tools.proxy_phases (its steps noted in
+    each worker), in front of the paced source, a burst of `streams` each round."""
+    source_port = free_port()
+    source = start_source(source_port, total_tokens_per_s / streams)
+    notes = root / "phases"
+    out = []
+    try:
+        cfg = appliance_config(free_port(), source_port, workers)
+        key = "sk-bench-" + os.urandom(16).hex()
+        proxy = start_proxy(cfg, root, key, notes)
+        try:
+            for warm in range(2):  # every worker's first requests, and a burst after them
+                stream_client.arrivals(cfg.proxy.port, key, "smollm2", 16, [0.0] * streams,
+                                       first_n=-(warm + 1) * 10**6)  # fmt: skip
+            for i in range(rounds):
+                stamps(source_port)
+                proxy_phases.forget(notes)
+                runs = stream_client.arrivals(cfg.proxy.port, key, "smollm2", tokens,
+                                              [0.0] * streams, first_n=i * streams)  # fmt: skip
+                out.append(proxy_phases.split(runs, stamps(source_port), notes))
+                print(f"phases of a burst of {streams}: round {i + 1}: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in out[-1].items()), flush=True)  # fmt: skip
+        finally:
+            stop(proxy)
+    finally:
+        stop(source)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument(
@@ -319,9 +354,10 @@ def main() -> int:
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=["burst", "capacity", "paced", "llama"],
-        default=["burst", "capacity", "paced", "llama"],
+        choices=["burst", "phases", "capacity", "paced", "llama"],
+        default=["burst", "phases", "capacity", "paced", "llama"],
         help="burst: a burst, a stagger and single requests against the paced source; "
+        "phases: where a burst's time goes, step by step inside the proxy's workers; "
         "capacity: chunks/s and CPU per chunk; paced, llama: the steady ratio at 64 streams",
     )
     args = parser.parse_args()
@@ -331,6 +367,8 @@ def main() -> int:
         root = Path(tmp)
         if "burst" in parts:
             result["door"] = door_costs(root, workers, args.rounds, args.paced_tokens_per_s)
+        if "phases" in parts:
+            result["phases"] = door_phases(root, workers, args.rounds, args.paced_tokens_per_s)
         if "capacity" in parts:
             result["capacity"] = capacity(root, args.workers, args.seconds)
         if "paced" in parts:

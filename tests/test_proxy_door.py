@@ -4,7 +4,9 @@ asks the real runtimes)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import ssl
 from typing import Any
 
 import pytest
@@ -12,8 +14,8 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from appliance.proxy import backend, mount
 from appliance.proxy import door as proxy_gate
-from appliance.proxy import mount
 from tests.doorkit import AUTH, KEY, LIMIT, MODELS, Inner, call, chat, door
 
 # --- routes -------------------------------------------------------------------------------------
@@ -255,6 +257,26 @@ def test_install_wraps_a_built_stack_in_place_and_an_unbuilt_one_when_it_is_buil
 
 def test_install_in_proxy_does_nothing_outside_the_proxy() -> None:
     assert mount.install_in_proxy(None, env={"B70_BACKEND_URL": "http://x"}) is None
+
+
+def test_the_loaded_heap_is_left_out_of_later_collections() -> None:
+    """A worker's full collections would walk all of LiteLLM (450-490 ms, docs/proxy.md)."""
+    assert gc.get_freeze_count() == 0
+    try:
+        mount.freeze_the_loaded_heap()
+        assert gc.get_freeze_count() > 10000
+    finally:
+        gc.unfreeze()
+
+
+def test_clients_of_plain_http_addresses_build_no_tls_context() -> None:
+    """httpx verifies TLS against its CA bundle, whose loading held the worker's loop for
+    17-38 ms; the appliance's own addresses are http://, and https:// keeps the check."""
+    # httpcore's pool keeps the context it was given (httpx 0.28, httpcore 1.0)
+    plain = backend.client_for("http://127.0.0.1:8001")
+    secure = backend.client_for("https://peer.example:8000")
+    assert plain._transport._pool._ssl_context.verify_mode == ssl.CERT_NONE  # type: ignore[attr-defined]
+    assert secure._transport._pool._ssl_context.verify_mode == ssl.CERT_REQUIRED  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(

@@ -45,7 +45,7 @@ def health_probe(backend_url: str) -> Probe:
     async def probe() -> bool:
         nonlocal client
         if client is None:  # created inside the proxy's event loop
-            client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+            client = backend_mod.client_for(backend_url, timeout=HEALTH_TIMEOUT_S)
         try:
             response = await client.get(backend_url + "/health")
         except httpx.TimeoutException:

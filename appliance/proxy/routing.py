@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from appliance.proxy import direct, door, mount
+from appliance.proxy import backend, direct, door, mount
 from appliance.proxy import hold as hold_mark
 from appliance.proxy.waiting import HEALTH_TIMEOUT_S, HEALTH_TTL_S, POLL_S, Gate, HoldTimeout
 
@@ -187,7 +187,7 @@ class Peer:
 
     async def _ask(self) -> None:
         if self._client is None:  # created inside the proxy's event loop
-            self._client = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+            self._client = backend.client_for(self.url, timeout=HEALTH_TIMEOUT_S)
         try:
             answer = await self._client.get(self.url + door.READINESS_PATH)
             self.ready = answer.status_code == 200
