@@ -12,6 +12,13 @@ check, the unit's environment and command line), only on other ports and without
    the demo model and 64 slots, which shares this machine's two cores with the proxy (on a B70
    the GPU generates, so the proxy's CPU takes nothing from it).
 
+3. A door that costs nothing (`--parts burst`): against the paced source, a burst of 64 streams
+   arriving at once and the same 64 started spread over one stream's length, through the proxy
+   and direct, A B A B (tokens/s, times to first token, each request's way to the runtime and
+   back); then one request at a time (what a request alone costs).
+4. Where a burst's time goes (`--parts phases`): the proxy through b70tools.proxy_phases, which
+   notes each step of each request inside the workers, and the collections that held a loop.
+
 The client is raw asyncio HTTP/1.1 (keep-alive, chunked framing, counting `data:` events), so
 that it costs little next to what it measures.
 """
