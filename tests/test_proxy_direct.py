@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import sys
 import types
 from typing import Any
@@ -97,6 +98,36 @@ def test_runtimes_side_by_side_are_each_the_one_deployment_of_their_own_name(
     assert runtimes.url_of("default") == runtimes.url_of("smollm2") == BACKEND
     assert runtimes.url_of("unknown") == runtimes.url_of(None) == BACKEND, "the first runtime's"
     assert runtimes.backend_of("vision").url == other
+
+
+# --- the connection ---------------------------------------------------------------------------
+
+
+def test_a_loopback_connection_is_made_and_its_request_written_without_waiting() -> None:
+    """In a burst, a request reaches the runtime in the step of its task that checked it
+    (docs/proxy.md): on loopback the kernel has made the connection when connect() returns."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        sock = direct._connect_at_once("127.0.0.1", port)
+        assert sock is not None and sock.getpeername() == ("127.0.0.1", port)
+        sock.close()
+        listener.accept()[0].close()
+        # not loopback, or a name: opened the usual way, by the event loop
+        assert direct._connect_at_once("localhost", port) is None
+        assert direct._connect_at_once("192.0.2.1", port) is None
+        for host in ("127.0.0.1", "localhost"):
+            asyncio.run(_opened(host, port))
+            accepted, _ = listener.accept()
+            with accepted:
+                assert accepted.recv(100) == b"POST / ..."
+    with pytest.raises(ConnectionRefusedError):
+        direct._connect_at_once("127.0.0.1", port)  # nothing listens there now
+
+
+async def _opened(host: str, port: int) -> None:
+    _, writer = await direct.open_with(host, port, b"POST / ...")
+    await writer.drain()
+    writer.close()
 
 
 # --- the exchange ------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ choose. Its pass-through route
 (authentication again, the router, a logging object, a task in a thread pool); a burst of 64
 requests waits for that work on each worker's event loop. Here the door sends the checked body
 itself, over a new loopback connection (a kept one may be closed by the runtime just as it is
-used, RECIPES.md 7), and relays the runtime's own bytes: what the pass-through route relays.
+used, RECIPES.md 7), written in the same step as the door's checks (`open_with`), and relays
+the runtime's own bytes: what the pass-through route relays.
 
 The runtime receives the body as the door checked it, under the model name the router resolves
 (an alias becomes the deployment's name), and no header of the client's. As on the pass-through
@@ -27,7 +28,11 @@ Imported by the proxy: nothing from the rest of the controller but appliance.pro
 from __future__ import annotations
 
 import asyncio
+import errno
+import ipaddress
 import json
+import os
+import socket
 import sys
 import urllib.parse
 from collections.abc import Collection, Iterable, Mapping
@@ -168,8 +173,10 @@ async def relay(
 ) -> str:
     """Send the request to the runtime and relay its answer: ANSWERED, FULL_WAY or NOT_READY.
     `receive` gives the client's messages after its body: a disconnect."""
+    connection = h11.Connection(h11.CLIENT)
+    request = b"".join(connection.send(event) or b"" for event in _request(target, kind, body))
     try:
-        reader, writer = await asyncio.open_connection(target.host, target.port)
+        reader, writer = await open_with(target.host, target.port, request)
     except OSError:
         return NOT_READY
     exchange = _Exchange(target, reader, writer, send)
@@ -178,7 +185,7 @@ async def relay(
     watch.add_done_callback(exchange.client_left)
     try:
         async with asyncio.timeout(limit_s) as exchange.deadline:
-            return await exchange.run(kind, body, limit_s)
+            return await exchange.run(connection, limit_s)
     except TimeoutError:
         if exchange.begun:
             log(f"b70: the runtime sent nothing for {limit_s:g} s; its answer was cut there")
@@ -192,6 +199,84 @@ async def relay(
         watch.remove_done_callback(exchange.client_left)
         watch.cancel()
         writer.transport.abort()
+
+
+def _request(target: Target, kind: str, body: bytes) -> tuple[h11.Event, ...]:
+    host = f"[{target.host}]" if ":" in target.host else target.host
+    head = h11.Request(
+        method="POST",
+        target=target.base_path + ENDPOINTS[kind],
+        headers=[
+            ("Host", f"{host}:{target.port}"),
+            ("Content-Type", "application/json"),
+            ("Content-Length", str(len(body))),
+            ("Connection", "close"),
+            *target.headers,
+        ],
+    )
+    return head, h11.Data(data=body), h11.EndOfMessage()
+
+
+async def open_with(
+    host: str, port: int, request: bytes
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A new connection to the runtime, with the request written to it.
+
+    On loopback the kernel has made the connection by the time connect() returns, so the
+    request is written at once, in the same step of the request's task as the door's checks.
+    In a burst, each request then reaches the runtime as soon as it was checked, instead of
+    after the worker's loop has checked every request of the burst and come back to each
+    connection (docs/proxy.md). Elsewhere (a peer on the network), and if the kernel did not
+    take the request at once, the connection is opened the usual way."""
+    sock = _connect_at_once(host, port)
+    if sock is None:
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(request)
+        return reader, writer
+    try:
+        sent = sock.send(request)
+        reader, writer = await asyncio.open_connection(sock=sock)
+    except OSError:
+        sock.close()
+        raise
+    writer.write(request[sent:])
+    return reader, writer
+
+
+def _connect_at_once(host: str, port: int) -> socket.socket | None:
+    """A socket connected to a loopback address without waiting, or None when the address is
+    not loopback or the connection is not made at once. Raises OSError when it is refused."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if not address.is_loopback:
+        return None
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        code = sock.connect_ex((host, port))
+        if code == errno.EINPROGRESS:  # on loopback the handshake is over by now, or refused
+            code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if code != 0:
+            raise OSError(code, os.strerror(code))
+        if _connected(sock):
+            return sock
+    except OSError:
+        sock.close()
+        raise
+    sock.close()
+    return None
+
+
+def _connected(sock: socket.socket) -> bool:
+    try:
+        sock.getpeername()
+    except OSError:  # ENOTCONN: the handshake is still under way
+        return False
+    return True
 
 
 class _Exchange:
@@ -218,23 +303,9 @@ class _Exchange:
             self.left = True
             self.writer.transport.abort()  # the runtime sees it and stops generating
 
-    async def run(self, kind: str, body: bytes, limit_s: float) -> str:
-        connection = h11.Connection(h11.CLIENT)
-        host = f"[{self.target.host}]" if ":" in self.target.host else self.target.host
-        request = h11.Request(
-            method="POST",
-            target=self.target.base_path + ENDPOINTS[kind],
-            headers=[
-                ("Host", f"{host}:{self.target.port}"),
-                ("Content-Type", "application/json"),
-                ("Content-Length", str(len(body))),
-                ("Connection", "close"),
-                *self.target.headers,
-            ],
-        )
+    async def run(self, connection: h11.Connection, limit_s: float) -> str:
+        """The answer to the request `connection` has sent, relayed as it comes."""
         try:
-            for event in (request, h11.Data(data=body), h11.EndOfMessage()):
-                self.writer.write(connection.send(event) or b"")
             return await self._answer(connection, limit_s)
         except (OSError, h11.ProtocolError) as e:
             if self.left:
