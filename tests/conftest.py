@@ -71,6 +71,7 @@ def running_manager(root: Path) -> Iterator[Manager]:
     env["XDG_CACHE_HOME"] = str(root / "cache")  # the units' caches, which --purge deletes
     script = str(REPO / "scripts" / "user-manager")
     subprocess.run([script, "start", str(root / "mgr")], env=env, check=True)
+    STARTED_MANAGERS.update(Path(p).name for p in (root / "mgr" / "cgroups").read_text().split())
     for line in (root / "mgr" / "env").read_text().splitlines():
         key, value = line.removeprefix("export ").split("=", 1)
         env[key] = value
@@ -111,8 +112,9 @@ def manager_cgroups() -> dict[str, list[int]]:
     return found
 
 
-def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[MANAGERS_BEFORE] = set(manager_cgroups())
+# The cgroups of the managers this run started (running_manager): only those are its own. Another
+# run on the same machine (CI beside a developer's suite) has managers of its own, alive.
+STARTED_MANAGERS: set[str] = set()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -120,8 +122,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     (and what runs in it) or a child of this process still alive fails the run, and is killed."""
     import psutil
 
-    before = session.config.stash.get(MANAGERS_BEFORE, set())
-    leaked = {n: p for n, p in manager_cgroups().items() if n not in before and p}
+    leaked = {n: p for n, p in manager_cgroups().items() if n in STARTED_MANAGERS and p}
     children = []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
@@ -137,8 +138,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             os.kill(pid, signal.SIGKILL)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
-
-MANAGERS_BEFORE = pytest.StashKey[set[str]]()
 
 
 # Fixtures that start a real systemd manager (and, on it, runtimes and the proxy). A test that

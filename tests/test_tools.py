@@ -34,8 +34,8 @@ def test_a_bursts_phases_are_each_steps_time_after_the_one_before(tmp_path: Path
     for n, worker in ((1, 100), (2, 100), (3, 200)):
         # a millisecond a step inside the worker, the runtime 2 ms to read the request
         at = {name: 10.0 * n + 0.001 * i for i, name in enumerate(proxy_phases.STEPS)}
-        runtime[str(n)] = {"arrived": at["written"] + 0.002, "first_write": at["written"] + 0.003}
-        at["first_out"] = at["written"] + 0.004
+        runtime[str(n)] = {"arrived": at["connected"] + 0.002, "first_write": at["connected"] + 0.003}
+        at["first_out"] = at["connected"] + 0.004
         note(worker, {"n": n, **at})
         runs.append({"n": n, "sent": 10.0 * n - 0.001, "first": at["first_out"] + 0.004})
     runs.append({"n": 4, "sent": 0.0, "first": None})  # unanswered: left out
@@ -47,7 +47,7 @@ def test_a_bursts_phases_are_each_steps_time_after_the_one_before(tmp_path: Path
     assert split["sent->accepted_ms"] == pytest.approx(1.0)
     assert split["accepted->parsed_ms"] == pytest.approx(1.0)
     assert split["let_through->connected_ms"] == pytest.approx(1.0)
-    assert split["written->arrived_ms"] == pytest.approx(2.0)
+    assert split["connected->arrived_ms"] == pytest.approx(2.0)
     assert split["arrived->first_write_ms"] == pytest.approx(1.0)
     assert split["first_write->first_out_ms"] == pytest.approx(1.0)
     assert split["first_out->first_ms"] == pytest.approx(4.0)
