@@ -161,9 +161,7 @@ def plan(
         state_bytes=DTYPE_BYTES[state_dtype], tokens=tokens, available_bytes=budget,
         align=block_align,
     )  # fmt: skip
-    per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
-    routed = int(s.layers * s.experts_per_tok * per_expert)
-    active = p.attention + p.linear + p.always + p.lm_head + routed
+    per_expert, active = _active_params(s, p)
     scale = weights / p.total if p.total else 0.0
     steps = [
         decode_step(s, p, batch, scale, per_expert, gdn, kv * tokens, bandwidth * cards)
@@ -173,6 +171,14 @@ def plan(
         p.total, active, weights, gdn, conv, kv, request, cards, per_card, offload, budget,
         profile, pages.requests_fit, pages, steps,
     )  # fmt: skip
+
+
+def _active_params(s: Shape, p: Params) -> tuple[float, int]:
+    """The parameters of one expert in one layer, and those a token passes through: all but the
+    experts, and of those the ones it is routed to."""
+    per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
+    routed = int(s.layers * s.experts_per_tok * per_expert)
+    return per_expert, p.attention + p.linear + p.always + p.lm_head + routed
 
 
 def _check_choices(**choices: str) -> None:

@@ -236,7 +236,7 @@ async def open_with(
     try:
         sent = sock.send(request)
         reader, writer = await asyncio.open_connection(sock=sock)
-    except OSError:
+    except BaseException:  # refused, reset, or the request cancelled (its client left)
         sock.close()
         raise
     writer.write(request[sent:])

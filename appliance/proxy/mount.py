@@ -224,7 +224,7 @@ def freeze_the_loaded_heap() -> None:
 
     A proxy worker holds LiteLLM whole: millions of objects, loaded once and kept. Python's
     oldest generation is collected whenever it has grown by a quarter, and each of those
-    collections walks every one of those objects: 450-490 ms here, during which the worker's
+    collections walks every one of those objects: 450-530 ms here, during which the worker's
     loop serves nobody (every stream it relays stops, every request it was given waits). Called
     once, when the worker has loaded its config and router and before it serves: what is loaded
     by then is collected once and the rest set aside for good (gc.freeze), so later collections
