@@ -260,7 +260,7 @@ def test_install_in_proxy_does_nothing_outside_the_proxy() -> None:
 
 
 def test_the_loaded_heap_is_left_out_of_later_collections() -> None:
-    """A worker's full collections would walk all of LiteLLM (450-490 ms, docs/proxy.md)."""
+    """A worker's full collections would walk all of LiteLLM (450-530 ms, docs/proxy.md)."""
     assert gc.get_freeze_count() == 0
     try:
         mount.freeze_the_loaded_heap()
