@@ -53,16 +53,13 @@ def note(step: str) -> None:
         stamps[step] = time.monotonic()
 
 
-def noting(step: str, function: Callable[..., Any], after: bool = False) -> Callable[..., Any]:
-    """An async function that notes `step` as `function` is called (or once it has returned)."""
+def noting_after(step: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    """An async function that notes `step` once `function` has returned."""
 
     @functools.wraps(function)
     async def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not after:
-            note(step)
         result = await function(*args, **kwargs)
-        if after:
-            note(step)
+        note(step)
         return result
 
     return wrapped
@@ -121,7 +118,7 @@ def wrap_door(folder: Path) -> None:
     def door_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         if self.hold is not None:
-            self.hold = noting("let_through", self.hold, after=True)
+            self.hold = noting_after("let_through", self.hold)
 
     door.Door.__call__ = door_call  # type: ignore[method-assign]
     door.Door.__init__ = door_init  # type: ignore[method-assign]
