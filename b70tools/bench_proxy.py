@@ -26,6 +26,7 @@ that it costs little next to what it measures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -34,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -284,34 +286,41 @@ def single(
     return {"through_ttft_ms": t, "direct_ttft_ms": d, "added_ms": t - d}
 
 
+@contextlib.contextmanager
+def paced_proxy(
+    root: Path, workers: int, stream_tokens_per_s: float, phases: Path | None = None
+) -> Iterator[tuple[tuple[int, str], int]]:
+    """The proxy (its port and key) in front of a source paced at `stream_tokens_per_s` per
+    stream (and the source's port), both stopped however the block ends."""
+    source_port = free_port()
+    source = start_source(source_port, stream_tokens_per_s)
+    try:
+        cfg = appliance_config(free_port(), source_port, workers)
+        key = "sk-bench-" + os.urandom(16).hex()
+        proxy = start_proxy(cfg, root, key, phases)
+        try:
+            yield (cfg.proxy.port, key), source_port
+        finally:
+            stop(proxy)
+    finally:
+        stop(source)
+
+
 def door_costs(root: Path, workers: int, rounds: int, total_tokens_per_s: float,
                streams: int = 64, tokens: int = 256) -> dict[str, object]:  # fmt: skip
     """The targets of a door that costs nothing, against a source paced like a B70 at 64 users:
     a burst of `streams` arriving at once, the same started spread over one stream's length,
     and one request at a time."""
-    source_port = free_port()
-    source = start_source(source_port, total_tokens_per_s / streams)
-    try:
-        cfg = appliance_config(free_port(), source_port, workers)
-        key = "sk-bench-" + os.urandom(16).hex()
-        proxy = start_proxy(cfg, root, key)
-        try:
-            target = (cfg.proxy.port, key)
-            stream_client.arrivals(
-                *target, "smollm2", 16, [0.0] * streams, first_n=-(10**6)
-            )  # warm
-            stream_s = tokens * streams / total_tokens_per_s
-            result: dict[str, object] = {"workers": workers}
-            result["burst"] = arrivals_ab(target, source_port, [0.0] * streams, tokens, rounds,
-                                          f"burst of {streams}")  # fmt: skip
-            spread = [stream_s * i / streams for i in range(streams)]
-            result["stagger"] = arrivals_ab(target, source_port, spread, tokens, rounds,
-                                            f"{streams} spread over {stream_s:.1f} s")  # fmt: skip
-            result["single"] = single(target, source_port, 30)
-        finally:
-            stop(proxy)
-    finally:
-        stop(source)
+    with paced_proxy(root, workers, total_tokens_per_s / streams) as (target, source_port):
+        stream_client.arrivals(*target, "smollm2", 16, [0.0] * streams, first_n=-(10**6))  # warm
+        stream_s = tokens * streams / total_tokens_per_s
+        result: dict[str, object] = {"workers": workers}
+        result["burst"] = arrivals_ab(target, source_port, [0.0] * streams, tokens, rounds,
+                                      f"burst of {streams}")  # fmt: skip
+        spread = [stream_s * i / streams for i in range(streams)]
+        result["stagger"] = arrivals_ab(target, source_port, spread, tokens, rounds,
+                                        f"{streams} spread over {stream_s:.1f} s")  # fmt: skip
+        result["single"] = single(target, source_port, 30)
     return result
 
 
@@ -319,30 +328,20 @@ def door_phases(root: Path, workers: int, rounds: int, total_tokens_per_s: float
                 streams: int = 64, tokens: int = 256) -> list[dict[str, float]]:  # fmt: skip
     """Where a burst's time goes: the proxy through b70tools.proxy_phases (its steps noted in
     each worker), in front of the paced source, a burst of `streams` each round."""
-    source_port = free_port()
-    source = start_source(source_port, total_tokens_per_s / streams)
     notes = root / "phases"
     out = []
-    try:
-        cfg = appliance_config(free_port(), source_port, workers)
-        key = "sk-bench-" + os.urandom(16).hex()
-        proxy = start_proxy(cfg, root, key, notes)
-        try:
-            for warm in range(2):  # every worker's first requests, and a burst after them
-                stream_client.arrivals(cfg.proxy.port, key, "smollm2", 16, [0.0] * streams,
-                                       first_n=-(warm + 1) * 10**6)  # fmt: skip
-            for i in range(rounds):
-                stamps(source_port)
-                proxy_phases.forget(notes)
-                runs = stream_client.arrivals(cfg.proxy.port, key, "smollm2", tokens,
-                                              [0.0] * streams, first_n=i * streams)  # fmt: skip
-                out.append(proxy_phases.split(runs, stamps(source_port), notes))
-                print(f"phases of a burst of {streams}: round {i + 1}: " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in out[-1].items()), flush=True)  # fmt: skip
-        finally:
-            stop(proxy)
-    finally:
-        stop(source)
+    with paced_proxy(root, workers, total_tokens_per_s / streams, notes) as (target, source_port):
+        for warm in range(2):  # every worker's first requests, and a burst after them
+            stream_client.arrivals(*target, "smollm2", 16, [0.0] * streams,
+                                   first_n=-(warm + 1) * 10**6)  # fmt: skip
+        for i in range(rounds):
+            stamps(source_port)
+            proxy_phases.forget(notes)
+            runs = stream_client.arrivals(*target, "smollm2", tokens, [0.0] * streams,
+                                          first_n=i * streams)  # fmt: skip
+            out.append(proxy_phases.split(runs, stamps(source_port), notes))
+            print(f"phases of a burst of {streams}: round {i + 1}: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in out[-1].items()), flush=True)  # fmt: skip
     return out
 
 
