@@ -9,7 +9,11 @@ import and ask, is used only where /proc does not settle it, and to describe wha
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
+import socket
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -75,7 +79,16 @@ def foreign_listeners(port: int, main_pids: list[int], proc: str = "/proc") -> l
 def listening_sockets(port: int, proc: str = "/proc") -> set[int] | None:
     """The inodes of the TCP sockets listening on `port` in this network namespace; None when
     /proc/net cannot say (then psutil is asked)."""
-    found: set[int] = set()
+    rows = _rows_on(port, proc)
+    if rows is None:
+        return None
+    return {inode for state, _, inode in rows if state == LISTEN}
+
+
+def _rows_on(port: int, proc: str) -> list[tuple[str, str, int]] | None:
+    """(state, remote address, inode) of each TCP socket whose local port is `port`, from
+    /proc/net/tcp and tcp6; None when they cannot be read."""
+    found = []
     local = f":{port:04X} "  # the local address ends so; most lines are left at this test
     for table in ("tcp", "tcp6"):
         try:
@@ -85,13 +98,89 @@ def listening_sockets(port: int, proc: str = "/proc") -> set[int] | None:
                     if local not in line:
                         continue
                     fields = line.split()
-                    if fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        found.add(int(fields[9]))
+                    if int(fields[1].rsplit(":", 1)[1], 16) == port:
+                        found.append((fields[3], fields[2], int(fields[9])))
         except FileNotFoundError:  # no tcp6 where IPv6 is off
             continue
         except (OSError, ValueError, IndexError):
             return None
     return found
+
+
+# include/net/tcp_states.h, as /proc/net/tcp writes them
+STATES = {
+    "01": "ESTABLISHED",
+    "02": "SYN_SENT",
+    "03": "SYN_RECV",
+    "04": "FIN_WAIT1",
+    "05": "FIN_WAIT2",
+    "06": "TIME_WAIT",
+    "07": "CLOSE",
+    "08": "CLOSE_WAIT",
+    "09": "LAST_ACK",
+    LISTEN: "LISTEN",
+    "0B": "CLOSING",
+}
+
+
+def address(hex_address: str) -> str:
+    """`0100007F:BB81` (/proc/net/tcp: each 32-bit word in host order) as `127.0.0.1:48001`."""
+    host, port = hex_address.rsplit(":", 1)
+    raw = b"".join(
+        int(host[i : i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(host), 8)
+    )
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped:  # an IPv4 peer of a v6 socket
+        ip = ip.ipv4_mapped
+    if ip.version == 6:
+        return f"[{ip}]:{int(port, 16)}"
+    return f"{ip}:{int(port, 16)}"
+
+
+def bind_refused(host: str, port: int) -> bool:
+    """Whether a server that sets SO_REUSEADDR, as llama-server and uvicorn do, would be refused
+    `host:port` (EADDRINUSE) now. Any other answer (a name that does not resolve, an address
+    not on this machine, a port it may not bind) is the runtime's to report."""
+    try:
+        family, kind, _, _, where = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (OSError, UnicodeError):
+        return False
+    with socket.socket(family, kind) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(where)
+        except OSError as e:
+            return e.errno == errno.EADDRINUSE
+    return False
+
+
+def local_ends(port: int, proc: str = "/proc") -> list[str]:
+    """The connections whose local end is `port` (the kernel picks those from
+    net.ipv4.ip_local_port_range). A socket that is bound and neither listens nor connects is
+    not listed in /proc/net/tcp, nor here."""
+    ends = []
+    for state, remote, _ in _rows_on(port, proc) or []:
+        if state == LISTEN:
+            continue
+        name = STATES.get(state, state)
+        try:
+            peer = address(remote)
+        except ValueError:
+            peer = remote
+        ends.append(f"the local end of a connection to {peer} ({name})")
+    return ends
+
+
+def ephemeral_range(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> tuple[int, int] | None:
+    """The ports the kernel gives outgoing connections' local ends."""
+    try:
+        with open(path) as f:
+            low, high = (int(field) for field in f.read().split())
+    except (OSError, ValueError):
+        return None
+    return low, high
 
 
 def _tree_from_proc(pids: Iterable[int], proc: str) -> set[int] | None:

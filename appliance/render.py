@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import jinja2
 
     from appliance.gpu.sysfs import Device
-from appliance.config import LOOPBACK_NAMES, Config, Launcher, RuntimeConfig
+from appliance.config import LOOPBACK_NAMES, BackendConfig, Config, Launcher, RuntimeConfig
 from appliance.layout import (
     MONITOR_UNIT,
     PROXY_CONFIG,
@@ -136,6 +136,8 @@ def render_runtime_unit(
         )
     # One gate process: the GPU memory (as `b70ctl gpu wait-free`), then the port.
     gate = [config.b70ctl, "unit", "pre", "--port", str(runtime.port)]
+    if config.backend.host != BackendConfig.host:  # the gate's own default
+        gate += ["--host", config.backend.host]
     for device in [c.pci for c in cards] if cards else [config.gpu.device]:
         gate += ["--device", device]
     gate += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]

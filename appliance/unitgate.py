@@ -2,7 +2,8 @@
 
 `pre` (ExecStartPre=, after the GPU memory gate in the same process: appliance.gpu.memgate):
 the backend port must be free; a runtime that still holds it is given a moment, a foreign
-process is named and refused.
+process is named and refused. Free means that the runtime could bind it, not only that nothing
+listens there: an outgoing connection's local end holds a port as well.
 
 `ready` (ExecStartPost=): poll the health URL until it answers 200 from the unit's own process.
 systemd keeps waiting if the main process dies during ExecStartPost, so the gate checks it on
@@ -26,19 +27,43 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def pre(port: int, wait_s: float = 10.0) -> None:
+def pre(port: int, wait_s: float = 10.0, host: str = "127.0.0.1") -> None:
+    """Wait up to `wait_s` for the runtime's `host:port` to be free; then name what holds it."""
     deadline = time.monotonic() + wait_s
     while True:
-        found = processes.listeners(port)
-        if not found:
+        problem = port_problem(host, port)
+        if problem is None:
             return
         if time.monotonic() >= deadline:
-            raise ApplianceError(
-                f"port {port} is in use by {processes.describe(found)}",
-                hint="stop that process, or choose another [backend] port in the config",
-                code="port_busy",
-            )
+            raise problem
         time.sleep(POLL_S)
+
+
+def port_problem(host: str, port: int) -> ApplianceError | None:
+    """Why the runtime could not bind `host:port` now: a process listens there, or a socket
+    holds it without listening (most often an outgoing connection's local end)."""
+    found = processes.listeners(port)
+    if found:
+        return ApplianceError(
+            f"port {port} is in use by {processes.describe(found)}",
+            hint="stop that process, or choose another [backend] port in the config",
+            code="port_busy",
+        )
+    if not processes.bind_refused(host, port):
+        return None
+    ends = processes.local_ends(port) or ["a socket that neither listens nor connects"]
+    span = processes.ephemeral_range()
+    if span and span[0] <= port <= span[1]:
+        hint = (
+            f"the kernel gives ports {span[0]}-{span[1]} to outgoing connections "
+            "(net.ipv4.ip_local_port_range): choose a [backend] port below "
+            f"{span[0]}, or reserve this one: sysctl -w net.ipv4.ip_local_reserved_ports={port}"
+        )
+    else:
+        hint = "wait for it to close, or choose another [backend] port in the config"
+    return ApplianceError(
+        f"port {port} on {host} is held by {', '.join(ends[:3])}", hint=hint, code="port_busy"
+    )
 
 
 @dataclass(frozen=True)

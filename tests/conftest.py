@@ -23,7 +23,7 @@ import pytest
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from b70tools.demo_appliance import demo_text
-from b70tools.net import free_port
+from b70tools.net import free_port, free_ports
 
 REPO = Path(__file__).resolve().parent.parent
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
@@ -137,7 +137,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
 
 
 # Fixtures that start a real systemd manager (and, on it, runtimes and the proxy). A test that
@@ -296,7 +295,8 @@ def appliance_on_cards(
             manager.systemctl("set-environment", f"B70_SYSROOT={tree}")
             manager.env["B70_SYSROOT"] = str(tree)
             config = root / "appliance.toml"
-            proxy_port, backend_port = free_port(), free_port()
+            # A runtime with `per_card` serves on the backend port and the ones after it.
+            proxy_port, backend_port = free_port(), free_ports(len(slots))
             config.write_text(text(proxy_port, backend_port))
             with installed(manager, config, proxy_port, backend_port) as app:
                 yield app

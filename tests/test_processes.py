@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,3 +158,104 @@ def test_a_containers_server_is_the_appliances(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(units, "container_pids", lambda config: set())
     with pytest.raises(ApplianceError, match="not part of the appliance"):
         units.check_port(Manager(), ["b70-v.service"], PORT, "backend", cfg)  # type: ignore[arg-type]
+
+
+def test_addresses_read_as_the_kernel_writes_them() -> None:
+    assert processes.address("0100007F:BB81") == "127.0.0.1:48001"
+    assert processes.address("00000000000000000000000001000000:1F41") == "[::1]:8001"
+    assert processes.address("0000000000000000FFFF00000100007F:0050") == "127.0.0.1:80"
+
+
+@pytest.fixture
+def connection_end() -> Iterator[tuple[int, int, socket.socket, socket.socket]]:
+    """A connection on loopback whose local end is a port of our choosing, as an outgoing
+    connection's is when the kernel picks it: (that port, the server's, both ends)."""
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.bind(("127.0.0.1", 0))
+        client.connect(server.getsockname())
+        accepted, _ = server.accept()
+        with accepted:
+            yield client.getsockname()[1], server.getsockname()[1], client, accepted
+
+
+def test_a_connections_local_end_holds_the_port_though_nobody_listens(
+    connection_end: tuple[int, int, socket.socket, socket.socket],
+) -> None:
+    port, server, _, _ = connection_end
+    assert processes.listeners(port) == []
+    assert processes.bind_refused("127.0.0.1", port)
+    ends = processes.local_ends(port)
+    assert ends == [f"the local end of a connection to 127.0.0.1:{server} (ESTABLISHED)"]
+
+
+def test_a_free_port_is_not_refused() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert not processes.bind_refused("127.0.0.1", port)
+    assert processes.local_ends(port) == []
+    # Not this check's to answer: the runtime reports these itself.
+    assert not processes.bind_refused("no-such-host.invalid", port)
+    assert not processes.bind_refused("192.0.2.1", port)  # not an address of this machine
+
+
+def test_the_ephemeral_range_is_read_from_the_kernels_file(tmp_path: Path) -> None:
+    (tmp_path / "range").write_text("32768\t60999\n")
+    assert processes.ephemeral_range(str(tmp_path / "range")) == (32768, 60999)
+    (tmp_path / "range").write_text("garbage\n")
+    assert processes.ephemeral_range(str(tmp_path / "range")) is None
+    assert processes.ephemeral_range(str(tmp_path / "absent")) is None
+
+
+def unit_pre_argv(port: int) -> list[str]:
+    from tests.conftest import B70CTL
+
+    return [B70CTL, "unit", "pre", "--port", str(port)]
+
+
+def unit_pre(port: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*unit_pre_argv(port), *extra], capture_output=True, text=True, timeout=30
+    )
+
+
+def test_the_units_gate_names_a_connection_that_holds_the_port(
+    connection_end: tuple[int, int, socket.socket, socket.socket],
+) -> None:
+    """Nothing listens on the port, but the runtime could not bind it: the gate says what holds
+    it, and where the kernel's range for outgoing connections is, how to keep out of it."""
+    port, server, _, _ = connection_end
+    out = unit_pre(port, "--wait", "0")
+    assert out.returncode == 1, out.stderr
+    assert (
+        f"error: port {port} on 127.0.0.1 is held by the local end of a connection to "
+        f"127.0.0.1:{server} (ESTABLISHED)"
+    ) in out.stderr
+    span = processes.ephemeral_range()
+    assert span is not None
+    if span[0] <= port <= span[1]:  # bind(0) picks from that range
+        assert f"choose a [backend] port below {span[0]}" in out.stderr
+        assert f"net.ipv4.ip_local_reserved_ports={port}" in out.stderr
+
+
+def test_the_units_gate_waits_for_that_connection_to_close(
+    connection_end: tuple[int, int, socket.socket, socket.socket],
+) -> None:
+    port, _, client, accepted = connection_end
+    gate = subprocess.Popen(
+        [*unit_pre_argv(port), "--wait", "20"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(0.5)
+        assert gate.poll() is None, "the gate waits while the port is held"
+        # The server's end closes first, as a runtime's does: the client's end leaves no
+        # TIME_WAIT on the port.
+        accepted.close()
+        client.recv(1)
+        client.close()
+        assert gate.wait(timeout=20) == 0, gate.stderr.read() if gate.stderr else ""
+    finally:
+        gate.kill()
+        gate.wait()

@@ -126,6 +126,7 @@ def unit() -> None:
 
 @unit.command("pre")
 @click.option("--port", type=int, required=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where the runtime binds.")
 @click.option("--wait", "wait_s", type=click.FloatRange(min=0), default=10.0)
 @click.option(
     "--device",
@@ -149,6 +150,7 @@ def unit() -> None:
 def unit_pre(
     ctx: Context,
     port: int,
+    host: str,
     wait_s: float,
     devices: tuple[str, ...],
     need_bytes: int,
@@ -166,7 +168,7 @@ def unit_pre(
         memgate.wait_start(
             gpu_root(root), devices, need_bytes, unit_name, gpu_timeout_s, unitgate_log
         )
-    unitgate.pre(port, wait_s)
+    unitgate.pre(port, wait_s, host)
     output.show(ctx.json, {"port": port, "free": True, "devices": list(devices)})
 
 
