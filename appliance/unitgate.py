@@ -27,7 +27,7 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def pre(port: int, wait_s: float = 10.0, host: str = "127.0.0.1") -> None:
+def pre(port: int, wait_s: float, host: str) -> None:
     """Wait up to `wait_s` for the runtime's `host:port` to be free; then name what holds it."""
     deadline = time.monotonic() + wait_s
     while True:

@@ -27,31 +27,18 @@ def bindable(port: int) -> bool:
 def free_ports(count: int = 1, *, attempts: int = 200) -> int:
     """The first of `count` consecutive TCP ports on loopback that nothing holds right now,
     none handed out before by this process; below the kernel's range for outgoing connections
-    when there is room there."""
+    when there is room there (else anywhere above 1023)."""
     span = ephemeral_range()
-    top = span[0] if span else 32768
-    if top - LOWEST < 1000:  # the kernel may take nearly every port: fall back to its own pick
-        return _kernel_pick(count, attempts)
+    low, top = LOWEST, span[0] if span else 32768
+    if top - low < 1000:  # the kernel may take nearly every port: no range is safe from it
+        low, top = 1024, 65536
     for _ in range(attempts):
-        first = random.randrange(LOWEST, top - count)
+        first = random.randrange(low, top - count + 1)
         block = range(first, first + count)
         if not _handed_out.intersection(block) and all(bindable(p) for p in block):
             _handed_out.update(block)
             return first
-    raise RuntimeError(f"no {count} consecutive free ports in {LOWEST}-{top - 1}")
-
-
-def _kernel_pick(count: int, attempts: int) -> int:
-    for _ in range(attempts):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first: int = s.getsockname()[1]
-        block = range(first, first + count)
-        fits = first + count <= 65536 and not _handed_out.intersection(block)
-        if fits and all(bindable(p) for p in block[1:]):
-            _handed_out.update(block)
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports")
+    raise RuntimeError(f"no {count} consecutive free ports in {low}-{top - 1}")
 
 
 def free_port() -> int:
