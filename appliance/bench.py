@@ -3,13 +3,14 @@
 Random-token prompts of a fixed length, answers of a fixed length with ignore_eos, greedy and
 streaming, N requests with at most C in flight. While it runs, the runtime's own metrics are
 sampled for how many requests really run at once; the generation figure (C / median TPOT) is
-reported only when C requests did.
+reported only when C requests did. The metrics are read every half second, and also each time
+C streams are between their first token and their end as the client sees them: the moment the
+runtime must be running all C, however short the answers are.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import statistics
@@ -24,7 +25,25 @@ from appliance.config import Config
 from appliance.layout import Scope
 from appliance.runtimes import RUNNING_METRICS, metric_sum
 
-SAMPLE_EVERY_S = 0.5  # often enough to prove concurrency, rarely enough not to load the server
+SAMPLE_EVERY_S = 0.5  # often enough to follow the run, rarely enough not to load the server
+
+
+class Streaming:
+    """How many streams the client has between their first token and their end; `full` is set
+    each time that count reaches the concurrency, so that the sampler looks right then."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.now = 0
+        self.full = asyncio.Event()
+
+    def first_token(self) -> None:
+        self.now += 1
+        if self.now >= self.concurrency:
+            self.full.set()
+
+    def ended(self) -> None:
+        self.now -= 1
 
 
 @dataclass(frozen=True)
@@ -78,7 +97,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def _stream_one(
-    client: httpx.AsyncClient, w: Workload, prompt: str, t0: float
+    client: httpx.AsyncClient, w: Workload, prompt: str, t0: float, streaming: Streaming
 ) -> RequestResult:
     body: dict[str, Any] = {
         "model": w.model,
@@ -113,6 +132,7 @@ async def _stream_one(
                     now = time.perf_counter()
                     if last is None:
                         result.ttft_s = now - start
+                        streaming.first_token()
                     else:
                         result.itls_s.append(now - last)
                     last = now
@@ -120,6 +140,9 @@ async def _stream_one(
     except (httpx.HTTPError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
+    finally:
+        if last is not None:
+            streaming.ended()
     result.latency_s = time.perf_counter() - start
     result.output_tokens = int(usage["completion_tokens"]) if usage else chunks
     result.prompt_tokens = int(usage["prompt_tokens"]) if usage else None
@@ -129,21 +152,34 @@ async def _stream_one(
     return result
 
 
+async def _either(a: asyncio.Event, b: asyncio.Event, timeout_s: float) -> None:
+    """Wait until either event is set, or the time is up."""
+    waits = [asyncio.create_task(a.wait()), asyncio.create_task(b.wait())]
+    await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    await asyncio.gather(*waits, return_exceptions=True)
+
+
 async def _sample(
-    metrics_url: str | None, samples: list[tuple[float, int]], t0: float, stop: asyncio.Event
+    metrics_url: str | None,
+    samples: list[tuple[float, int]],
+    t0: float,
+    stop: asyncio.Event,
+    streaming: Streaming,
 ) -> None:
     if not metrics_url:
         return
     async with httpx.AsyncClient(timeout=2) as client:
         while not stop.is_set():
+            streaming.full.clear()
             try:
                 running = parse_running((await client.get(metrics_url)).text)
             except httpx.HTTPError:
                 running = None
             if running is not None:
                 samples.append((round(time.perf_counter() - t0, 3), running))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), SAMPLE_EVERY_S)
+            await _either(stop, streaming.full, SAMPLE_EVERY_S)
 
 
 async def run(
@@ -158,18 +194,19 @@ async def run(
     samples: list[tuple[float, int]] = []
     stop = asyncio.Event()
     gate = asyncio.Semaphore(w.concurrency)
+    streaming = Streaming(w.concurrency)
     results: list[RequestResult] = []
     tokens = 0
     t0 = time.perf_counter()
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(None, connect=30), limits=limits, headers=headers
     ) as client:
-        sampler = asyncio.create_task(_sample(metrics_url, samples, t0, stop))
+        sampler = asyncio.create_task(_sample(metrics_url, samples, t0, stop, streaming))
 
         async def one(prompt: str) -> None:
             nonlocal tokens
             async with gate:
-                r = await _stream_one(client, w, prompt, t0)
+                r = await _stream_one(client, w, prompt, t0, streaming)
             results.append(r)
             tokens += r.output_tokens
             if progress:

@@ -10,6 +10,8 @@ whole and when its first event was written (time.monotonic, which every process 
 shares); GET /stamps hands those notes out, so a benchmark can split a request's time into the
 way to the runtime, the runtime, and the way back.
 
+GET /metrics says, in llama-server's words, how many answers it is writing now.
+
 Run: python -m b70tools.stream_source PORT [--pace TOKENS_PER_S_PER_STREAM]
 """
 
@@ -65,6 +67,7 @@ class Source:
     def __init__(self, per_write: int, stream_tokens_per_s: float) -> None:
         self.per_write, self.rate = per_write, stream_tokens_per_s
         self.stamps: dict[int, dict[str, float]] = {}
+        self.streaming = 0
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -93,6 +96,8 @@ class Source:
         if path == "/stamps":
             text = json.dumps(self.stamps).encode()
             self.stamps = {}
+        elif path == "/metrics":
+            text = b"llamacpp:requests_processing %d\n" % self.streaming
         elif path == "/v1/models":
             text = json.dumps(MODELS).encode()
         else:
@@ -110,13 +115,17 @@ class Source:
             b"Transfer-Encoding: chunked\r\n\r\n"
         )
         n = bench_id(request)
-        for i, chunk in enumerate(sse_response(path, request, self.per_write)):
-            writer.write(chunk)
-            await writer.drain()
-            if i == 0 and n is not None:
-                self.stamps[n] = {"arrived": arrived, "first_write": time.monotonic()}
-            if self.rate:
-                await asyncio.sleep(self.per_write / self.rate)
+        self.streaming += 1
+        try:
+            for i, chunk in enumerate(sse_response(path, request, self.per_write)):
+                if i and self.rate:
+                    await asyncio.sleep(self.per_write / self.rate)
+                writer.write(chunk)
+                await writer.drain()
+                if i == 0 and n is not None:
+                    self.stamps[n] = {"arrived": arrived, "first_write": time.monotonic()}
+        finally:
+            self.streaming -= 1
 
 
 async def serve(port: int, per_write: int = 8, stream_tokens_per_s: float = 0) -> None:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
 from appliance import bench, gate
+from b70tools import stream_source
+from b70tools.net import free_port
 from tests.conftest import Appliance
 
 VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -65,6 +68,35 @@ def test_the_generation_figure_needs_the_concurrency_proven() -> None:
     ]
 
 
+def test_the_runtime_is_sampled_when_every_stream_is_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Answers shorter than the sampling period still prove their concurrency: the metrics are
+    read when the client has all C streams between first token and end, not only on the clock."""
+    monkeypatch.setattr(bench, "SAMPLE_EVERY_S", 60.0)
+    port = free_port()
+    w = bench.Workload(
+        url=f"http://127.0.0.1:{port}",
+        model="m",
+        api_key="k",
+        requests=6,
+        concurrency=3,
+        output_tokens=6,
+    )
+
+    async def measure() -> tuple[list[bench.RequestResult], list[tuple[float, int]], float]:
+        source = stream_source.Source(per_write=1, stream_tokens_per_s=100)
+        server = await asyncio.start_server(source.handle, "127.0.0.1", port)
+        async with server:
+            return await bench.run(w, ["p"] * 6, f"http://127.0.0.1:{port}/metrics")
+
+    results, samples, wall = asyncio.run(measure())
+    assert wall < 5 and [r.output_tokens for r in results] == [6] * 6
+    assert samples[0][1] == 0  # the first reading, on the clock, before any request arrived
+    assert 2 <= len(samples) <= 1 + 6 and max(n for _, n in samples) == 3
+    assert bench.summarize(w, results, samples, wall)["valid"]
+
+
 def test_schema_errors() -> None:
     good = {"city": "Oslo", "country": "Norway", "population": 700000, "is_capital": True}
     assert gate.schema_errors(good, gate.CITY_SCHEMA) == []
@@ -102,10 +134,10 @@ def test_bench_through_the_proxy_writes_a_valid_result(
     )
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)["result"]
-    assert summary["valid"], summary["invalid_because"]
+    doc = json.loads(out_file.read_text())
+    assert summary["valid"], (summary["invalid_because"], doc["samples"], doc["requests"])
     assert summary["running_at_once"]["max"] == 2
     assert summary["generation_tokens_per_s"] > 0
-    doc = json.loads(out_file.read_text())
     assert "api_key" not in doc["workload"] and doc["workload"]["concurrency"] == 2
     invocation = appliance.manager.systemctl(
         "show", "-p", "InvocationID", "--value", "b70-llamacpp.service"
