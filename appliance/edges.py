@@ -15,6 +15,7 @@ from typing import Any
 from appliance import runtimes, state, systemd
 from appliance.config import Config, RuntimeConfig
 from appliance.errors import ApplianceError
+from appliance.interrupts import start_blocked
 from appliance.layout import Layout
 from appliance.placement import excludes
 from appliance.proxy import hold as hold_mark
@@ -172,7 +173,7 @@ class SystemEdges:
         sd.start(rt.unit)
         # What the verification needs (http.client: 30 ms to import on 2 cores) is imported
         # while systemd stops the old runtime and starts this one, not after.
-        threading.Thread(target=_import_quietly, args=("appliance.health",)).start()
+        start_blocked(threading.Thread(target=_import_quietly, args=("appliance.health",)))
         others = [o for o in config.runtimes.values() if o.name != rt.name and excludes(o, rt)]
         stop_budget = sum(runtimes.stop_timeouts(o).unit_s for o in others) + 30
         return wait_started(sd, rt.unit, rt.start_timeout_s + stop_budget, self.progress)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import run, systemd
+from appliance import run, state, systemd
 from appliance.config import Config
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
@@ -28,6 +28,8 @@ from appliance.layout import (
     layout,
 )
 from appliance.placement import excludes
+from appliance.purge import purge_state
+from appliance.recovery import recover_killed
 from appliance.render import render_all
 from appliance.rendered import stamp
 from appliance.state import ensure_key
@@ -186,7 +188,7 @@ def install(
     files = render_all(config, lay)
     verify_units(files, scope)  # before anything is written
     changed = changed_files(files, lay)
-    with systemd.connect(scope) as sd:
+    with state.writer_lock(lay.state_dir, "install") as lock, systemd.connect(scope) as sd:
         if now:  # what would keep the units from starting, before anything is written
             if sd.state(PROXY_SOCKET).active_state != "active":  # else systemd holds it for us
                 check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
@@ -194,6 +196,11 @@ def install(
             for port in sorted({rt.port for rt in config.runtimes.values()}):
                 check_port(sd, runtime_units, port, "backend", config)
         result = _write(config, lay, sd, files, changed, progress)
+        if lock.stale is not None:  # a killed switch: settled before anything starts
+            done = recover_killed(config, lay, sd, lock.stale, progress, wait=now)
+            if done is not None:
+                result.notes.append(done)
+                lock.clear_stale()
         if now:
             _start_proxy(sd, changed, result, progress)
             _start_monitor(sd, MONITOR_UNIT in changed or result.config is not None, result)
@@ -330,11 +337,13 @@ def _start_runtime(
         result.started.append(rt.unit)
 
 
-def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
+def uninstall(config: Config, scope: Scope, purge: bool) -> UninstallResult:
+    """Stop, disable and remove the units; with `purge`, the key, the units' caches and the
+    appliance's own files in the state directory (appliance.purge), never anyone else's."""
     lay = layout(scope)
     units = [rt.unit for rt in config.runtimes.values()] + [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
-    removed = []
-    with systemd.connect(scope) as sd:
+    result = UninstallResult()
+    with state.writer_lock(lay.state_dir, "uninstall"), systemd.connect(scope) as sd:
         loaded = [u for u in units if sd.state(u).load_state != "not-found"]
         for unit in loaded:
             sd.stop(unit)
@@ -345,24 +354,43 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> list[str]:
             path = lay.destination(name)
             if path.exists():
                 path.unlink()
-                removed.append(str(path))
+                result.removed.append(str(path))
         if purge:
-            for unit in units:  # each unit's CacheDirectory= (compiled kernels, LiteLLM's)
-                cache = lay.cache_root / cache_name(unit)
-                if unit.endswith(".service") and cache.is_dir() and not cache.is_symlink():
-                    shutil.rmtree(cache)
-                    removed.append(str(cache))
-            for path in [lay.key_file]:
-                if path.exists():
-                    path.unlink()
-                    removed.append(str(path))
-            if lay.state_dir.exists():
-                shutil.rmtree(lay.state_dir)
-                removed.append(str(lay.state_dir))
+            _purge(units, lay, result)
         sd.reload()
         for unit in units:
             sd.reset_failed(unit)
-    return removed
+    if result.failed:
+        raise ApplianceError(
+            "uninstalled, but these files of the appliance could not be removed: "
+            + "; ".join(result.failed),
+            hint="remove them by hand (a read-only mount?); nothing else was left half-way",
+            code="purge_incomplete",
+            details={"removed": result.removed, "kept": result.kept},
+        )
+    return result
+
+
+def _purge(units: list[str], lay: Layout, result: UninstallResult) -> None:
+    for unit in units:  # each unit's CacheDirectory= (compiled kernels, LiteLLM's)
+        cache = lay.cache_root / cache_name(unit)
+        if unit.endswith(".service") and cache.is_dir() and not cache.is_symlink():
+            shutil.rmtree(cache, onerror=lambda _f, p, e: result.failed.append(f"{p}: {e[1]}"))
+            result.removed.append(str(cache))
+    if lay.key_file.exists():
+        lay.key_file.unlink()
+        result.removed.append(str(lay.key_file))
+    purged = purge_state(lay.state_dir)
+    result.removed += purged.removed
+    result.kept += purged.kept
+    result.failed += purged.failed
+
+
+@dataclass
+class UninstallResult:
+    removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # in the state directory, not the appliance's
+    failed: list[str] = field(default_factory=list)
 
 
 def changed_files(files: Mapping[str, str], lay: Layout) -> dict[str, str]:

@@ -8,6 +8,24 @@ import threading
 from appliance.errors import ApplianceError
 from appliance.units import Progress
 
+SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+def start_blocked(thread: threading.Thread) -> None:
+    """Start `thread` with SIGINT and SIGTERM blocked from its first instruction on.
+
+    The kernel hands a process's signal to any thread that does not block it. A Ctrl-C typed
+    on a terminal that lands on a helper thread is still acted on by Python in the main thread,
+    as a KeyboardInterrupt at whatever line it is on, past the switch's safe points: so every
+    thread a command starts blocks both, and only the main thread ever takes them. A thread
+    inherits its creator's mask, hence the mask is set around the start rather than inside.
+    """
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
 
 class SwitchInterrupted(ApplianceError):
     def __init__(self, message: str, recorded: bool = False) -> None:
@@ -27,7 +45,7 @@ class Interrupts:
     handled: a handler would break the D-Bus call it interrupts (sd-bus returns EINTR).
     """
 
-    SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
+    SIGNALS = SIGNALS
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress

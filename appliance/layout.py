@@ -28,7 +28,9 @@ SYSUSERS = "b70-sysusers.conf"  # installed as /etc/sysusers.d/b70.conf
 SYSUSERS_PATH = Path("/etc/sysusers.d/b70.conf")
 
 # Files in the state directory (/var/lib/b70, ~/.local/state/b70).
-LOCK_FILE = "switch.lock"
+LOCK_FILE = "switch.lock"  # an flock only; it holds nothing
+NOTE_FILE = "switch.json"  # the running switch: who, to what, how far
+KILLED_FILE = "killed-switch.json"  # a killed switch's note, until it is recovered
 LAST_SWITCH = "last-switch.json"
 HISTORY = "switches.jsonl"
 MONITOR_STATE = "monitor.json"

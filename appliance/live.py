@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
+from appliance.interrupts import start_blocked
 from appliance.sizes import GIB
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Live:
         self.lock = threading.Lock()
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="live-progress", daemon=True)
-        self.thread.start()
+        start_blocked(self.thread)  # a Ctrl-C must reach the switch's main thread alone
 
     def __call__(self, phase: str, detail: str) -> None:
         with self.lock:

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from appliance import gpu, health, runtimes, samples, systemd
+from appliance import gpu, health, runtimes, samples, state, systemd
 from appliance.config import Config, RuntimeConfig
 from appliance.errors import ApplianceError, from_exception
 from appliance.files import write_atomic
@@ -128,7 +128,7 @@ def act(
         if mine is not None and mine is not m:
             mine.restarts_by_monitor += 1  # the runtime's own count, for its metric
         try:
-            sd.restart(config.runtime(action.runtime).unit)
+            _restart_unless_switching(config, sd, action.runtime)
         except ApplianceError as e:  # systemd refused: say so, and judge again next sample
             m.last_action["result"] = f"restart failed: {e.message}"
             log(f"restart of {action.runtime} failed: {e.message}")
@@ -143,6 +143,16 @@ def act(
         m.last_action["result"] = f"failover failed: {e.message}"
         (mine or m).hold_until = time.time() + FAILOVER_BACKOFF_S
         log(f"failover to {action.runtime} failed: {e.message}; again in {FAILOVER_BACKOFF_S} s")
+
+
+def _restart_unless_switching(config: Config, sd: systemd.Systemd, runtime: str) -> None:
+    """RestartUnit under the switch lock: a switch that began while the monitor probed (for up
+    to its probe timeouts) may be draining this very runtime, and is left alone."""
+    state_dir = layout(sd.scope).state_dir
+    with state.try_lock(state_dir) as held:
+        if not held or hold_mark.read_mark(state_dir) is not None:
+            raise ApplianceError(f"a switch began meanwhile; {runtime} is left to it")
+        sd.restart(config.runtime(runtime).unit)
 
 
 def save(state_dir: Path, m: Memory, o: Observation | None, log: Any = None) -> dict[str, Any]:

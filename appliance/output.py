@@ -88,7 +88,8 @@ def render_status(s: dict[str, Any]) -> str:
     if killed:
         lines.append(
             f"killed switch  to {killed.get('target')} (pid {killed.get('pid')}) during "
-            f"{killed.get('phase')}: waiting for systemd to finish, then it is recovered"
+            f"{killed.get('phase')}: waits to be recovered by the monitor, the next switch or "
+            "install"
         )
     mon = s.get("monitor")
     if mon:
@@ -340,8 +341,10 @@ def render_install(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def render_removed(removed: list[str]) -> str:
-    return "\n".join(f"removed {path}" for path in removed)
+def render_removed(removed: list[str], kept: list[str] | None = None) -> str:
+    lines = [f"removed {path}" for path in removed]
+    lines += [f"kept    {path} (not made by the appliance)" for path in kept or []]
+    return "\n".join(lines)
 
 
 def render_checks(checks: list[dict[str, Any]]) -> str:

@@ -1,4 +1,4 @@
-"""What the controller keeps between runs: the switch lock and the switch records."""
+"""What the controller keeps between runs: the switch lock, its note, and the switch records."""
 
 from __future__ import annotations
 
@@ -7,58 +7,63 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
-from appliance.layout import HISTORY, LAST_SWITCH, LOCK_FILE, Layout
+from appliance.layout import HISTORY, KILLED_FILE, LAST_SWITCH, LOCK_FILE, NOTE_FILE, Layout
 from appliance.proxy.hold import start_time
 
 LOCK_TRIES = 20
 
 
 class SwitchLock:
-    """The held lock of a running switch. Its file says who holds it and how far it got, so a
-    switch that is killed (SIGKILL: no cleanup runs) leaves a trace the next command finds."""
+    """The held lock of a running switch, and its note: who holds it and how far it got, so a
+    switch that is killed (SIGKILL: no cleanup runs) leaves a trace the next writer finds.
 
-    def __init__(self, fd: int, info: dict[str, Any], stale: dict[str, Any] | None) -> None:
-        self.fd = fd
+    The lock is an flock on switch.lock, which holds nothing; the note is switch.json, replaced
+    whole at each phase. A note found when the lock is taken is a killed switch's: it is moved
+    to killed-switch.json, where it stays until a recovery has recorded it (`clear_stale`).
+    """
+
+    def __init__(self, state_dir: Path, info: dict[str, Any], stale: dict[str, Any] | None) -> None:
+        self.state_dir = state_dir
         self.info = info
-        # What a killed switch left in the file before this one took the lock, if anything.
+        # What a killed switch left before this one took the lock, if anything.
         self.stale = stale
         self.unwritten: str | None = None
 
     def note(self, **fields: Any) -> None:
-        """Record how far the switch got (previous runtime, phase), in place.
+        """Record how far the switch got (previous runtime, phase), atomically.
 
         Only a trace for the next command if this one is killed: a note that cannot be written
         (a full file system) never stops a switch half-way; `unwritten` says why it was not."""
         self.info.update(fields)
-        data = json.dumps(self.info).encode()
         try:
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, data, 0)
+            write_atomic(self.state_dir / NOTE_FILE, json.dumps(self.info) + "\n")
         except OSError as e:
             self.unwritten = e.strerror or str(e)
 
     def clear_stale(self) -> None:
+        """The killed switch was recovered and recorded: its trace goes."""
         self.stale = None
+        (self.state_dir / KILLED_FILE).unlink(missing_ok=True)
 
 
 @contextmanager
 def switch_lock(state_dir: Path, target: str) -> Iterator[SwitchLock]:
     """One switch at a time. A second caller is told who holds the lock."""
-    with _locked(state_dir, wait=True) as (fd, holder):
-        if fd is None:
+    with _locked(state_dir, wait=True) as held:
+        if not held:
             raise ApplianceError(
-                f"another switch is running: {holder}",
+                _read_holder(state_dir),
                 hint="wait for it to finish; `b70ctl status` shows the result",
                 code="switch_in_progress",
                 exit_code=3,
             ) from None
-        lock = SwitchLock(fd, {}, _stale_info(fd))
+        lock = SwitchLock(state_dir, {}, _take_stale(state_dir))
         lock.note(
             pid=os.getpid(),
             pid_start=start_time(os.getpid()),
@@ -69,28 +74,97 @@ def switch_lock(state_dir: Path, target: str) -> Iterator[SwitchLock]:
         try:
             yield lock
         finally:
-            os.ftruncate(fd, 0)
+            (state_dir / NOTE_FILE).unlink(missing_ok=True)
 
 
 @contextmanager
 def killed_switch(state_dir: Path) -> Iterator[SwitchLock | None]:
     """The trace of a switch that was killed, with the lock held while the block runs; None if
-    there is none, or if a switch is running now. The trace is removed when the block ends if
-    the caller recovered from it (`clear_stale`), and kept for the next command otherwise."""
-    with _locked(state_dir, wait=False) as (fd, _):
-        stale = _stale_info(fd) if fd is not None else None
-        if fd is None or stale is None:
-            yield None
-            return
-        lock = SwitchLock(fd, stale, stale)
-        yield lock
-        if lock.stale is None:  # recovered: the trace goes
-            os.ftruncate(fd, 0)
+    there is none, or if a switch is running now. The trace is removed when the caller has
+    recovered from it (`clear_stale`), and kept for the next command otherwise."""
+    with _locked(state_dir, wait=False) as held:
+        stale = _take_stale(state_dir) if held else None
+        yield None if stale is None else SwitchLock(state_dir, stale, stale)
 
 
 @contextmanager
-def _locked(state_dir: Path, wait: bool) -> Iterator[tuple[int | None, str]]:
-    """The switch lock's fd, held exclusively for the block; (None, who holds it) if busy."""
+def writer_lock(state_dir: Path, command: str) -> Iterator[SwitchLock]:
+    """The switch lock for install and uninstall: nothing else changes the units meanwhile. Its
+    note names the command; a killed install leaves nothing to recover (its note is dropped)."""
+    with _locked(state_dir, wait=True) as held:
+        if not held:
+            raise ApplianceError(
+                _read_holder(state_dir),
+                hint=f"wait for it to finish, then run `b70ctl {command}` again",
+                code="switch_in_progress",
+                exit_code=3,
+            )
+        lock = SwitchLock(state_dir, {}, _take_stale(state_dir))
+        lock.note(
+            command=command,
+            pid=os.getpid(),
+            pid_start=start_time(os.getpid()),
+            started_at=time.time(),
+        )
+        try:
+            yield lock
+        finally:
+            (state_dir / NOTE_FILE).unlink(missing_ok=True)
+
+
+def try_lock(state_dir: Path) -> AbstractContextManager[bool]:
+    """The switch lock for a short act of another writer (the monitor's restart): True while it
+    is held; False at once if a switch holds it."""
+    return _locked(state_dir, wait=False)
+
+
+def waiting_trace(state_dir: Path) -> dict[str, Any] | None:
+    """A killed switch that waits to be recovered, read without writing anything (what `status`
+    reports, for any user): the moved trace, or a note whose switch is no longer running."""
+    for name in (KILLED_FILE, NOTE_FILE):
+        info = _read_note(state_dir / name)
+        if info is None or info.get("command", "switch") != "switch":
+            continue
+        if name == KILLED_FILE or not _alive(info):
+            return info
+    return None
+
+
+def _alive(info: dict[str, Any]) -> bool:
+    pid, began = info.get("pid"), info.get("pid_start")
+    return isinstance(pid, int) and pid > 0 and began is not None and start_time(pid) == began
+
+
+def _take_stale(state_dir: Path) -> dict[str, Any] | None:
+    """With the lock held: a note left behind is a killed switch's. It moves aside (unless an
+    older one waits there already) and the trace waiting for recovery is returned."""
+    note, killed = state_dir / NOTE_FILE, state_dir / KILLED_FILE
+    if note.exists():
+        left = _read_note(note) or {}
+        if killed.exists() or left.get("command", "switch") != "switch":
+            # Recovering the older one settles the appliance for both; a killed install or
+            # uninstall leaves no switch to recover.
+            note.unlink()
+        else:
+            os.replace(note, killed)
+    if not killed.exists():
+        return None
+    return _read_note(killed) or {"target": None, "phase": None}
+
+
+def _read_note(path: Path) -> dict[str, Any] | None:
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {"target": None, "phase": None}
+    return info if isinstance(info, dict) else {"target": None, "phase": None}
+
+
+@contextmanager
+def _locked(state_dir: Path, wait: bool) -> Iterator[bool]:
+    """The switch lock, held exclusively for the block (True); False if another holds it."""
     state_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -99,38 +173,31 @@ def _locked(state_dir: Path, wait: bool) -> Iterator[tuple[int | None, str]]:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                # The monitor tests the lock with a brief shared lock, which leaves no details.
-                if os.pread(fd, 1, 0) or attempt == LOCK_TRIES - 1 or not wait:
-                    yield None, _read_holder(fd)
+                # The monitor tests the lock with a brief shared lock, which writes no note.
+                if (state_dir / NOTE_FILE).exists() or attempt == LOCK_TRIES - 1 or not wait:
+                    yield False
                     return
                 time.sleep(0.05)
         try:
-            yield fd, ""
+            yield True
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 
 
-def _stale_info(fd: int) -> dict[str, Any] | None:
-    """With the lock held: what the file still says is a switch that ended without cleanup."""
-    raw = os.pread(fd, 65536, 0)
-    if not raw.strip():
-        return None
+def _read_holder(state_dir: Path) -> str:
+    """Who holds the switch lock, for the one who could not take it."""
+    info = _read_note(state_dir / NOTE_FILE) or {}
+    command = info.get("command", "switch")
     try:
-        info = json.loads(raw)
-    except ValueError:
-        info = None
-    return info if isinstance(info, dict) else {"target": None, "phase": None}
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
         age = time.time() - float(info["started_at"])
-        return f"to {info['target']} (pid {info['pid']}, started {age:.0f} s ago)"
+        pid = f"pid {info['pid']}, started {age:.0f} s ago"
+        if command == "switch":
+            return f"another switch is running: to {info['target']} ({pid})"
+        return f"b70ctl {command} is running ({pid})"
     except (ValueError, KeyError, TypeError):
-        return "(its details are not written yet)"
+        return "another switch is running (its details are not written yet)"
 
 
 def record_switch(state_dir: Path, record: dict[str, Any]) -> str | None:

@@ -10,7 +10,6 @@ from appliance.config import Config, Launcher
 from appliance.errors import ConfigError
 from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
 from appliance.proxy import hold
-from appliance.recovery import recover_killed_switch
 
 
 def status(config: Config, scope: Scope) -> dict[str, Any]:
@@ -18,7 +17,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     units = [rt.unit for _, rt in sorted(config.runtimes.items())]
     units += [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
     with systemd.connect(scope) as sd:
-        killed = recover_killed_switch(config, sd, lay.state_dir)
+        killed = state.waiting_trace(lay.state_dir)  # status writes nothing, for any user
         states = {u: sd.state(u) for u in units}
     active = [
         n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"
@@ -51,8 +50,8 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         },
         "hold": hold_view(lay.state_dir),
         "last_switch": state.last_switch(lay.state_dir),
-        # A switch that was killed while systemd still finishes what it started: recovered by
-        # the next command (or the monitor) once that job ends.
+        # A switch that was killed: recovered by the next command that may write (a switch,
+        # install, the monitor), not by status.
         "killed_switch": killed,
         "monitor": monitor_view(lay.state_dir),
     }

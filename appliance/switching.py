@@ -118,6 +118,7 @@ def switch(
     ):
         if lock.stale is not None:
             recover_killed(config, lay, sd, lock.stale, progress, wait=True)
+            lock.clear_stale()
         one = Switch(config, lay, sd, lock, interrupts, clock, options)
         if names == (target_name,):
             return one(target_name)

@@ -36,8 +36,9 @@ def monitor_log(app: Appliance) -> str:
 
 
 def lock_info(app: Appliance) -> dict[str, Any]:
+    """The running switch's note: who, to what, how far (an empty dict when none runs)."""
     try:
-        data = json.loads((state_dir(app) / "switch.lock").read_text() or "{}")
+        data = json.loads((state_dir(app) / "switch.json").read_text() or "{}")
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -141,6 +142,7 @@ def test_a_killed_switch_is_found_recorded_and_recovered(appliance: Appliance, p
     assert status["hold"]["switching_to"] is None
     assert not (state_dir(appliance) / "hold.json").exists()
     assert lock_info(appliance) == {}, "the killed switch's trace was not cleared"
+    assert not (state_dir(appliance) / "killed-switch.json").exists()
     enabled = {u["unit"]: u["enabled"] for u in status["units"]}
     assert enabled["b70-llamacpp.service"] == "enabled"
     assert appliance.ask().strip()

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from appliance import edges, errors, files, monitor, state
-from appliance.layout import LAST_SWITCH
+from appliance.layout import KILLED_FILE, LAST_SWITCH, NOTE_FILE
 from appliance.plans import Memory
 from appliance.proxy import hold
+from tests.conftest import tree_snapshot
 
 
 def full(*args: object, **kwargs: object) -> None:
@@ -32,7 +34,7 @@ def test_a_note_that_cannot_be_written_does_not_stop_the_switch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with state.switch_lock(tmp_path, "vllm") as lock:
-        monkeypatch.setattr(state.os, "pwrite", full)
+        monkeypatch.setattr(state, "write_atomic", full)
         lock.note(phase="start")
         assert lock.unwritten == "No space left on device"
         assert lock.info["phase"] == "start"
@@ -77,3 +79,56 @@ def test_the_monitor_logs_a_state_it_cannot_save_once_and_goes_on(
     monitor.save(tmp_path, m, None, lines.append)
     assert lines[1] == "the monitor's state is saved again"
     assert monitor.restore(tmp_path).restarts_by_monitor == 2
+
+
+def test_a_killed_switchs_note_waits_until_a_recovery_clears_it(tmp_path: Path) -> None:
+    """A note left behind moves aside when the next writer takes the lock, and stays there until
+    that writer says it recovered: a recovery that fails loses no trace."""
+    note = {"pid": 999999999, "pid_start": "1", "target": "vllm", "phase": "start"}
+    (tmp_path / NOTE_FILE).write_text(json.dumps(note))
+    assert state.waiting_trace(tmp_path) == note, "status sees it, from the note alone"
+    with pytest.raises(RuntimeError), state.switch_lock(tmp_path, "llamacpp") as lock:
+        assert lock.stale == note
+        raise RuntimeError("the recovery failed")
+    assert json.loads((tmp_path / KILLED_FILE).read_text()) == note
+    assert state.waiting_trace(tmp_path) == note
+    with state.killed_switch(tmp_path) as trace:
+        assert trace is not None and trace.info == note
+        trace.clear_stale()
+    assert not (tmp_path / KILLED_FILE).exists() and not (tmp_path / NOTE_FILE).exists()
+    assert state.waiting_trace(tmp_path) is None
+
+
+def test_status_reads_a_running_switch_as_running_and_writes_nothing(tmp_path: Path) -> None:
+    with state.switch_lock(tmp_path, "vllm"):
+        before = tree_snapshot(tmp_path)
+        assert state.waiting_trace(tmp_path) is None  # this process is alive: not killed
+        assert tree_snapshot(tmp_path) == before
+
+
+def test_install_holds_the_lock_and_a_switch_is_told_who(tmp_path: Path) -> None:
+    with (
+        state.writer_lock(tmp_path, "install"),
+        pytest.raises(errors.ApplianceError) as e,
+        state.switch_lock(tmp_path, "vllm"),
+    ):
+        pass
+    assert e.value.exit_code == 3
+    assert e.value.message.startswith(f"b70ctl install is running (pid {os.getpid()}")
+    with (
+        state.switch_lock(tmp_path, "vllm"),
+        pytest.raises(errors.ApplianceError) as e,
+        state.writer_lock(tmp_path, "uninstall"),
+    ):
+        pass
+    assert "another switch is running: to vllm" in e.value.message
+    assert "`b70ctl uninstall` again" in e.value.hint
+
+
+def test_a_killed_install_leaves_nothing_to_recover(tmp_path: Path) -> None:
+    note = {"command": "install", "pid": 999999999, "pid_start": "1", "started_at": 1.0}
+    (tmp_path / NOTE_FILE).write_text(json.dumps(note))
+    assert state.waiting_trace(tmp_path) is None
+    with state.switch_lock(tmp_path, "vllm") as lock:
+        assert lock.stale is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["switch.lock"]

@@ -79,9 +79,9 @@ def test_round_trip_llamacpp_vllm_llamacpp(appliance: Appliance) -> None:
     try:
         first = start_switch(appliance, "vllm")
         # A second switch while the first one runs is refused and names the first.
-        lock = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "switch.lock"
+        note = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "switch.json"
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (lock.exists() and lock.read_text()):
+        while time.monotonic() < deadline and not note.exists():
             time.sleep(0.05)
         second = appliance.b70ctl("switch", "llamacpp")
         assert second.returncode == 3, second.stderr

@@ -91,8 +91,9 @@ def uninstall(ctx: Context, purge: bool) -> None:
     """
     from appliance import install as install_mod
 
-    removed = install_mod.uninstall(ctx.config(), ctx.scope, purge)
-    output.show(ctx.json, {"removed": removed}, lambda: output.render_removed(removed))
+    result = install_mod.uninstall(ctx.config(), ctx.scope, purge)
+    data = dataclasses.asdict(result)
+    output.show(ctx.json, data, lambda: output.render_removed(result.removed, result.kept))
 
 
 @cli.command()

@@ -1,0 +1,71 @@
+"""`uninstall --purge` in the state directory: the appliance's files go, a person's stay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from appliance import layout
+from appliance.proxy import hold
+from appliance.purge import STATE_FILES, purge_state
+
+
+def appliance_files(state: Path) -> None:
+    for name in STATE_FILES:
+        (state / name).write_text("{}")
+    (state / f".{layout.HISTORY}.0123456789ab").write_text("half")  # its writer died
+    held = state / hold.HELD_DIR
+    held.mkdir()
+    for name in ("4242.json", "open", "open-8000", ".open-8000.00112233aabb"):
+        (held / name).write_text("1")
+
+
+def test_the_owners_models_and_notes_stay(tmp_path: Path) -> None:
+    state = tmp_path / "b70"
+    state.mkdir()
+    appliance_files(state)
+    models = state / "models"
+    models.mkdir()
+    (models / "small.gguf").write_bytes(b"GGUF")
+    (state / "README.txt").write_text("mine")
+    (state / "switches.jsonl.old").write_text("mine too")
+    (state / "hf").symlink_to(models)
+    out = purge_state(state)
+    assert sorted(p.name for p in state.iterdir()) == [
+        "README.txt",
+        "hf",
+        "models",
+        "switches.jsonl.old",
+    ]
+    assert (models / "small.gguf").read_bytes() == b"GGUF"
+    assert str(state / "models") in out.kept and str(state / "README.txt") in out.kept
+    assert str(state / hold.HELD_DIR) in out.removed
+    assert out.failed == []
+
+
+def test_a_read_only_model_folder_is_not_entered(tmp_path: Path) -> None:
+    state = tmp_path / "b70"
+    state.mkdir()
+    appliance_files(state)
+    models = state / "models"
+    models.mkdir()
+    (models / "big.gguf").write_bytes(b"GGUF")
+    models.chmod(0o555)  # as a read-only mount is, for root too: never written
+    try:
+        out = purge_state(state)
+    finally:
+        models.chmod(0o755)
+    assert out.failed == [] and (models / "big.gguf").exists()
+
+
+def test_a_state_directory_of_the_appliance_alone_goes_whole(tmp_path: Path) -> None:
+    state = tmp_path / "b70"
+    state.mkdir()
+    appliance_files(state)
+    out = purge_state(state)
+    assert not state.exists()
+    assert out.kept == [] and out.failed == [] and str(state) in out.removed
+
+
+def test_a_missing_state_directory_is_nothing_to_do(tmp_path: Path) -> None:
+    out = purge_state(tmp_path / "never")
+    assert (out.removed, out.kept, out.failed) == ([], [], [])
