@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import modelfiles, placement, run
+from appliance import access, modelfiles, placement, run
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError, ConfigError
 from appliance.gpu import xe
@@ -184,7 +184,36 @@ def _runtime(config: Config, rt: RuntimeConfig, root: Path, ask: Ask) -> list[Ch
     else:
         checks += _container(config, rt, ask)
     checks += _models(rt)
+    if rt.user and rt.launcher is Launcher.NATIVE:
+        checks.append(_as_user(rt, root))
     return checks
+
+
+def _as_user(rt: RuntimeConfig, root: Path) -> Check:
+    """The runtime's files opened as its own user (system scope: `user`, with the render group),
+    not as root, who runs doctor and may open anything."""
+    name = f"{rt.name}: as {rt.user}"
+    who = access.parse_who(
+        rt.user or "",
+        read_text(root / "etc/passwd") or "",
+        read_text(root / "etc/group") or "",
+        ("render",),
+    )
+    files = model_files(rt)
+    paths = [Path(rt.command[0]), *([] if isinstance(files, str) else files)]
+    closed = [why for p in paths if (why := access.judge_open(p, who)) is not None]
+    if closed:
+        return Check(
+            name,
+            False,
+            "; ".join(closed),
+            f"make them readable by {rt.user} (`chmod o+r FILE`, `chmod o+x` on each folder, "
+            "or `chgrp`), or keep models in /srv/b70/models",
+        )
+    made = "" if who.uid is not None else f" ({rt.user} does not exist yet: install makes it)"
+    return Check(
+        name, True, f"{rt.user} can open the binary and {len(paths) - 1} model file(s){made}"
+    )
 
 
 def _libraries(rt: RuntimeConfig, ask: Ask) -> Check:

@@ -253,8 +253,10 @@ def read_key(lay: Layout) -> str:
         ) from None
     except PermissionError:
         raise ApplianceError(
-            f"cannot read the proxy key file {lay.key_file}",
-            hint="run as root (or with --user)",
+            f"cannot read the proxy key file {lay.key_file}: the appliance's master key is "
+            "root's alone",
+            hint="pass a key you were given (`b70ctl bench --api-key KEY`, or B70_API_KEY), or "
+            "run as root",
             code="permission_denied",
         ) from None
     for line in text.splitlines():

@@ -275,6 +275,30 @@ def systemctl_command(scope: Scope) -> str:
     return "systemctl --user" if scope is Scope.USER else "systemctl"
 
 
+# Who may read the system journal besides root (journald's file ACLs on Debian and Fedora).
+JOURNAL_GROUPS = ("systemd-journal", "adm", "wheel")
+
+
+def require_journal(scope: Scope) -> None:
+    """The system journal is root's and its readers' groups': anyone else is told which group to
+    join, rather than journalctl's "No journal files were opened"."""
+    if scope is Scope.USER or os.geteuid() == 0 or os.environ.get("B70_JOURNAL_DIR"):
+        return
+    import grp
+
+    mine = set(os.getgroups()) | {os.getegid()}
+    readers = {g.gr_gid for g in grp.getgrall() if g.gr_name in JOURNAL_GROUPS}
+    if mine & readers:
+        return
+    raise ApplianceError(
+        "the system journal is readable by root and the systemd-journal group, and you are in "
+        "neither",
+        hint="ask an admin to add you: `sudo usermod -aG systemd-journal $USER`, then log in "
+        "again (or run `sudo b70ctl logs ...`)",
+        code="not_permitted",
+    )
+
+
 def journal_command(
     scope: Scope, unit: str, lines: int, follow: bool = False, since: float | None = None
 ) -> list[str]:

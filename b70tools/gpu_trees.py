@@ -157,7 +157,7 @@ def llama_server(
 ) -> Proc:
     return Proc(
         pid,
-        ["/opt/llama.cpp/bin/llama-server", "--model", "/var/lib/b70/models/q.gguf", "-ngl", "99"],
+        ["/opt/llama.cpp/bin/llama-server", "--model", "/srv/b70/models/q.gguf", "-ngl", "99"],
         LLAMA_CGROUP,
         [Client(fd=7, slot=slot, client_id=12, resident=resident)],
     )

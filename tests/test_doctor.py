@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -150,10 +153,15 @@ cards = [1]
 
 
 @pytest.fixture
-def host(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> Host:
-    return Host(tmp_path, monkeypatch, capsys)
+def host(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> Iterator[Host]:
+    """In a folder every user may enter, as a B70 owner's /srv and /opt are: doctor opens the
+    models as the runtime's user (pytest's own folders are root's alone)."""
+    base = Path(tempfile.mkdtemp(prefix="b70-doctor-"))
+    try:
+        base.chmod(0o755)
+        yield Host(base, monkeypatch, capsys)
+    finally:
+        shutil.rmtree(base)
 
 
 def test_a_healthy_host_passes_every_check(host: Host) -> None:
@@ -168,6 +176,7 @@ def test_a_healthy_host_passes_every_check(host: Host) -> None:
         "CAP_PERFMON",
         "llamacpp: libraries",
         "llamacpp: model",
+        "llamacpp: as b70",
         "tp: docker",
         "tp: image",
         "tp: model",
@@ -186,6 +195,34 @@ def one_failure(host: Host, name: str, **env: str) -> dict[str, object]:
     assert list(failed) == [name], failed
     assert len(failed[name]) == 1
     return failed[name][0]
+
+
+def test_a_model_only_root_can_read_fails_as_the_runtimes_user(host: Host) -> None:
+    host.gguf.chmod(0o600)  # root reads it; b70 (uid 990 in the fixture's passwd) cannot
+    check = one_failure(host, "llamacpp: as b70")
+    assert f"b70 cannot read {host.gguf} (mode -rw-------" in str(check["detail"])
+    assert "chmod o+r" in str(check["fix"])
+
+
+def test_a_model_in_a_folder_the_user_cannot_enter(host: Host) -> None:
+    host.gguf.parent.chmod(0o700)  # as /root is
+    check = one_failure(host, "llamacpp: as b70")
+    assert f"b70 cannot enter {host.gguf.parent} (mode drwx------" in str(check["detail"])
+
+
+def test_a_model_the_users_group_may_read_passes(host: Host) -> None:
+    host.gguf.chmod(0o640)
+    os.chown(host.gguf, 0, 105)  # the render group, which the unit gives the runtime
+    checks = host.checks()
+    assert checks["llamacpp: as b70"][0]["ok"], checks["llamacpp: as b70"]
+
+
+def test_a_user_not_made_yet_is_judged_as_anyone(host: Host) -> None:
+    host.write("etc/passwd", "root:x:0:0::/root:/bin/sh\n")
+    checks = host.checks()
+    assert "b70 does not exist yet" in str(checks["llamacpp: as b70"][0]["detail"])
+    host.gguf.chmod(0o600)
+    assert "b70 cannot read" in str(one_failure(host, "llamacpp: as b70")["detail"])
 
 
 def test_a_card_without_xe(host: Host) -> None:
@@ -270,7 +307,7 @@ def test_the_text_report_gives_each_failure_its_fix(host: Host) -> None:
     assert out.returncode == 1
     assert "FAIL tp: host memory: " in out.stdout
     assert "     fix: lower --cpu-offload-gb, or add memory" in out.stdout
-    assert "error: 1 of 13 checks failed: tp: host memory" in out.stderr
+    assert "error: 1 of 14 checks failed: tp: host memory" in out.stderr
     assert "Traceback" not in out.stderr
 
 

@@ -136,7 +136,7 @@ def test_b70_with_llama_server_holding_22_gib(tree: Path) -> None:
     start = memgate.judge_start(snap, "auto", 24 * GIB, "b70-vllm.service")
     assert not start.ok
     assert start.reason == (
-        "still held by pid 4242 (/opt/llama.cpp/bin/llama-server --model /var/lib/b70/models/q.gguf -ngl 99) "
+        "still held by pid 4242 (/opt/llama.cpp/bin/llama-server --model /srv/b70/models/q.gguf -ngl 99) "
         "in b70-llamacpp.service: 22.0 GiB"
     )
     # The runtime's own memory does not count against itself (a restart of the same unit).

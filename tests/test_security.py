@@ -207,7 +207,7 @@ def test_the_demo_carries_every_hardening_directive_but_identity() -> None:
 def test_paths_under_tmp_are_bound_into_the_private_tmp(tmp_path: Path) -> None:
     """A config or model kept in /tmp stays visible behind PrivateTmp=, whatever its name."""
     odd = Path("/tmp") / 'b70 odd %dir "q" \\b' / "m.gguf"
-    model = '"/var/lib/b70/models/Qwen3.6-35B-A3B-Q4_K_M.gguf"'
+    model = '"/srv/b70/models/Qwen3.6-35B-A3B-Q4_K_M.gguf"'
     text = B70.read_text().replace(model, json.dumps(str(odd)))
     files = render_all(config.parse(text, B70), layout(Scope.SYSTEM))
     llama = files["b70-llamacpp.service"]

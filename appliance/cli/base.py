@@ -33,6 +33,18 @@ class Context:
     def config(self) -> Config:
         return config_mod.load(self.config_path or config_mod.default_config_path(self.scope))
 
+    def require_root(self, command: str) -> None:
+        """A command that changes the system's units and the appliance's state is root's (who may
+        do what: docs/security.md). Anyone may run the commands that only read."""
+        if self.scope is Scope.SYSTEM and os.geteuid() != 0:
+            raise ApplianceError(
+                f"`b70ctl {command}` changes the appliance: only root may run it "
+                "(status, gpu, logs, plan, doctor and bench only read, and work for anyone)",
+                hint=f"run it as root: `sudo b70ctl {command} ...`; an admin can let a group "
+                "switch with one sudoers line (docs/security.md, \"Who may do what\")",
+                code="not_permitted",
+            )
+
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 

@@ -165,6 +165,7 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     from appliance import gate, systemd, units
     from appliance.layout import layout
 
+    ctx.require_root("gate")  # it records the canaries' first answers in the state directory
     config = ctx.config()
     with systemd.connect(ctx.scope) as sd:
         serving = units.require_serving(config, sd)

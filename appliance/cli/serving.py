@@ -70,6 +70,7 @@ def install(ctx: Context, now: bool) -> None:
     """
     from appliance import install as install_mod
 
+    ctx.require_root("install")
     result = install_mod.install(ctx.config(), ctx.scope, now, output.progress)
     doc = dataclasses.asdict(result)
     output.show(ctx.json, doc, lambda: output.render_install(doc))
@@ -91,6 +92,7 @@ def uninstall(ctx: Context, purge: bool) -> None:
     """
     from appliance import install as install_mod
 
+    ctx.require_root("uninstall")
     result = install_mod.uninstall(ctx.config(), ctx.scope, purge)
     data = dataclasses.asdict(result)
     output.show(ctx.json, data, lambda: output.render_removed(result.removed, result.kept))
@@ -118,6 +120,7 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: fl
     """
     from appliance import switching, units
 
+    ctx.require_root("switch")
     progress: units.Progress = (
         output.progress if sys.stderr.isatty() or not ctx.json else units.no_progress
     )
@@ -171,6 +174,7 @@ def monitor(ctx: Context, once: bool) -> None:
     """
     from appliance import monitor as monitor_mod
 
+    ctx.require_root("monitor")
     if ctx.json and not once:
         raise ApplianceError(
             "monitor runs until it is stopped; --json prints one sample",
@@ -202,6 +206,7 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
             f"--lines {lines}: must be at least 1", code="usage_error", exit_code=2
         )
     config = ctx.config()
+    systemd.require_journal(ctx.scope)
     own = {"proxy": PROXY_UNIT, "litellm": PROXY_UNIT, "monitor": MONITOR_UNIT}
     unit = own[name] if name in own else config.runtime(name).unit
     if ctx.json:
