@@ -10,15 +10,15 @@ concurrency"). `/v1/models` gives max_model_len. Labels a release does not have 
 
 from __future__ import annotations
 
-import re
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from appliance.errors import ApplianceError
+from appliance.runtimes import samples
 from appliance.sizes import GIB
 
 INFO = "vllm:cache_config_info"
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
 @dataclass(frozen=True)
@@ -34,22 +34,34 @@ class Row:
 
 
 def cache_info(metrics_text: str) -> dict[str, str]:
-    """The labels of vllm:cache_config_info; raises when the text has none."""
-    for line in metrics_text.splitlines():
-        if line.startswith(INFO + "{"):
-            return dict(_LABEL.findall(line[len(INFO) : line.rfind("}") + 1]))
-    raise ApplianceError(
-        f"the runtime's /metrics has no {INFO}: not a vLLM, or one too old to report its cache",
+    """The labels of vllm:cache_config_info; raises when the text has none, or is not
+    Prometheus text."""
+    found = samples(metrics_text)
+    if found is None:
+        raise _compare_failed(f"the runtime's /metrics is not Prometheus text, so it has no {INFO}")
+    for sample in found:
+        if sample.name == INFO:
+            return dict(sample.labels)
+    raise _compare_failed(
+        f"the runtime's /metrics has no {INFO}: not a vLLM, or one too old to report its cache"
+    )
+
+
+def _compare_failed(message: str) -> ApplianceError:
+    return ApplianceError(
+        message,
         hint="--compare takes a running vLLM's address, such as http://127.0.0.1:8001",
         code="plan_compare_failed",
     )
 
 
 def number(labels: dict[str, str], key: str) -> float | None:
+    """The label as a finite number; None when it is missing or not one ("None", "NaN", "+Inf")."""
     try:
-        return float(labels[key])
+        value = float(labels[key])
     except (KeyError, ValueError):
         return None
+    return value if math.isfinite(value) else None
 
 
 def compare(plan: Any, at_max_len: Any, labels: dict[str, str], max_len: int | None) -> list[Row]:
@@ -101,11 +113,7 @@ def against(url: str, plan: Any, replan: Any) -> Compared:
         metrics = health.request("GET", base + "/metrics", 10)
         models = health.request("GET", base + "/v1/models", 10)
     except health.NoAnswer as e:
-        raise ApplianceError(
-            f"{base}: {e.detail}",
-            hint="--compare takes a running vLLM's address, such as http://127.0.0.1:8001",
-            code="plan_compare_failed",
-        ) from None
+        raise _compare_failed(f"{base}: {e.detail}") from None
     labels = cache_info(metrics.text if metrics.status == 200 else "")
     try:
         length = max_model_len(models.json()) if models.status == 200 else None

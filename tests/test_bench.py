@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import bench, gate
+from appliance import bench, gate, health, runtimes
 from b70tools import stream_source
 from b70tools.net import free_port
 from tests.conftest import Appliance
@@ -29,6 +29,108 @@ def test_running_requests_from_each_engines_metrics() -> None:
     assert bench.parse_running(VLLM_METRICS) == 7
     assert bench.parse_running(LLAMA_METRICS) == 2
     assert bench.parse_running("# nothing here\nother_metric 4\n") is None
+
+
+# What a vLLM's /metrics looks like, in prometheus-client's own words: HELP and TYPE lines, a
+# counter written with its `_total`, its `_created` gauge, a histogram.
+VLLM_FULL = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="smollm2"} 2.0
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{engine="0",model_name="smollm2"} 640.0
+# HELP vllm:generation_tokens_created Number of generation tokens processed.
+# TYPE vllm:generation_tokens_created gauge
+vllm:generation_tokens_created{engine="0",model_name="smollm2"} 1.7e+09
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="smollm2"} 1.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="smollm2"} 3.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="smollm2"} 3.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="smollm2"} 1.5
+"""
+
+
+def test_a_timestamp_after_the_value_is_not_the_value() -> None:
+    text = (
+        'vllm:num_requests_running{model_name="smollm2"} 3 1700000000000\n'
+        'vllm:num_requests_waiting{model_name="smollm2"} 2 1700000000000\n'
+        "llamacpp:tokens_predicted_total 40 1700000000000\n"
+    )
+    assert bench.parse_running(text) == 3
+    assert runtimes.parse_in_flight(text) == 5
+    assert runtimes.metric_sum(text, runtimes.GENERATED_METRICS) == 40
+
+
+def test_label_values_with_escaped_quotes_and_commas_are_one_label() -> None:
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="say \\"a, b\\"} 9"} 2 1700000000000\n'
+        'vllm:num_requests_running{engine="1",model_name="c\\\\d,e=f"} 3\n'
+    )
+    assert runtimes.metric_sum(text, runtimes.RUNNING_METRICS) == 5
+    read = runtimes.samples(text)
+    assert read is not None
+    assert [s.labels["model_name"] for s in read] == ['say "a, b"} 9', "c\\d,e=f"]
+
+
+def test_nan_and_inf_are_no_count() -> None:
+    for value in ("NaN", "+Inf", "-Inf"):
+        text = f"vllm:num_requests_running {value}\nllamacpp:tokens_predicted_total {value}\n"
+        assert runtimes.parse_in_flight(text) is None, value
+        assert bench.parse_running(text) is None, value
+        assert runtimes.metric_sum(text, runtimes.GENERATED_METRICS) is None, value
+    # finite samples whose sum is not
+    huge = "vllm:num_requests_running 1e308\nvllm:num_requests_waiting 1e308\n"
+    assert runtimes.parse_in_flight(huge) is None
+    # a histogram's le="+Inf" is a label, not a value
+    assert runtimes.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds_bucket",)) == 4
+
+
+def test_help_and_type_lines_and_the_names_the_parser_gives_samples() -> None:
+    """Families of counters drop `_total`, their samples keep it; a histogram's samples are
+    `_bucket`, `_sum` and `_count`; so the runtimes' metrics are found by the samples' names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(VLLM_FULL)}
+    assert "vllm:generation_tokens" in families and "vllm:generation_tokens_total" not in families
+    assert [s.name for s in families["vllm:generation_tokens"].samples] == [
+        "vllm:generation_tokens_total"
+    ]
+    assert {s.name for s in families["vllm:e2e_request_latency_seconds"].samples} == {
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_sum",
+    }
+    assert runtimes.metric_sum(VLLM_FULL, runtimes.GENERATED_METRICS) == 640
+    assert runtimes.parse_in_flight(VLLM_FULL) == 2
+    assert runtimes.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds",)) is None
+    assert runtimes.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds_count",)) == 3
+    # a counter typed without `_total` gets it on its samples: llama-server's name still matches
+    counter = "# TYPE llamacpp:tokens_predicted counter\nllamacpp:tokens_predicted 7\n"
+    assert runtimes.metric_sum(counter, runtimes.GENERATED_METRICS) == 7
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["llamacpp:requests_processing 2\nthis is not a sample\n",
+     "llamacpp:requests_processing 2\nllamacpp:requests_deferred 1_0\n",
+     'llamacpp:requests_processing 2\nvllm:num_requests_waiting{engine="0 3\n',
+     "llamacpp:requests_processing 2\n# TYPE llamacpp:requests_deferred\n",
+     "llamacpp:requests_processing 2\n\x00\xff\n"],
+)  # fmt: skip
+def test_a_malformed_document_counts_nothing(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One bad line and the whole document is not trusted: a count from part of it could say
+    a runtime is idle while it is not."""
+    assert runtimes.parse_in_flight(text) is None and bench.parse_running(text) is None
+    assert runtimes.samples(text) is None
+    monkeypatch.setattr(health, "request", lambda *a, **k: health.Answer(200, text.encode()))
+    assert health.read_work("http://127.0.0.1:1") == (None, None)
+
+
+def test_a_runtimes_nan_metrics_are_no_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "llamacpp:requests_processing nan\nllamacpp:tokens_predicted_total 12\n"
+    monkeypatch.setattr(health, "request", lambda *a, **k: health.Answer(200, text.encode()))
+    assert health.read_work("http://127.0.0.1:1") == (None, 12)
 
 
 def test_percentiles() -> None:

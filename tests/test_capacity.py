@@ -302,6 +302,53 @@ def test_the_cache_vllm_reports_is_read_from_its_info_gauge() -> None:
     assert measured.max_model_len({"data": []}) is None
 
 
+def test_cache_info_labels_are_unescaped_and_non_numbers_are_not_reported() -> None:
+    from appliance import measured
+
+    text = (
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
+        "# TYPE vllm:cache_config_info gauge\n"
+        'vllm:cache_config_info{block_size="16",cache_dtype="fp8",kv_cache_max_concurrency="+Inf",'
+        'model="a \\"b\\", c\\\\d",num_gpu_blocks="NaN"} 1.0 1700000000000\n'
+    )
+    labels = measured.cache_info(text)
+    assert labels["model"] == 'a "b", c\\d' and labels["cache_dtype"] == "fp8"
+    assert measured.number(labels, "block_size") == 16
+    assert measured.number(labels, "kv_cache_max_concurrency") is None
+    assert measured.number(labels, "num_gpu_blocks") is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [CACHE_INFO + "\nthis is not a sample\n",
+     'vllm:cache_config_info{block_size="16",num_gpu_blocks="364" 1.0\n',
+     'vllm:cache_config_info{block_size="16"\n'],
+)  # fmt: skip
+def test_cache_info_from_a_malformed_document_is_a_clear_error(text: str) -> None:
+    from appliance import measured
+
+    with pytest.raises(ApplianceError, match="is not Prometheus text") as raised:
+        measured.cache_info(text)
+    assert raised.value.code == "plan_compare_failed"
+
+
+def test_plan_against_a_runtime_with_malformed_metrics_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from appliance import health
+
+    base = "http://127.0.0.1:1"
+    answers = {"/metrics": CACHE_INFO + "\nnot Prometheus\n", "/v1/models": '{"data": []}'}
+
+    def request(method: str, url: str, *args: object, **kwargs: object) -> health.Answer:
+        return health.Answer(200, answers[url.removeprefix(base)].encode())
+
+    monkeypatch.setattr(health, "request", request)
+    out = CliRunner().invoke(cli, ["plan", str(HYBRID), "--compare", base])
+    assert out.exit_code == 1 and "Traceback" not in out.output + out.stderr
+    assert "error: the runtime's /metrics is not Prometheus text" in out.stderr
+
+
 def test_plan_against_an_address_where_nothing_answers_is_a_clear_error(tmp_path: Path) -> None:
     from b70tools.net import free_port
 
