@@ -79,6 +79,8 @@ def render_status(s: dict[str, Any]) -> str:
     held = s.get("hold")
     if held:
         doing = f"switching to {held['switching_to']}; " if held["switching_to"] else ""
+        if held.get("mark_problem"):
+            doing = f"every request is held: the hold mark cannot be read: {held['mark_problem']}; "
         lines.append(
             f"requests  {doing}{held['held_now']} waiting at the proxy now, "
             f"{held['held_total']} waited since it started, {held['timed_out_total']} got 503"

@@ -126,6 +126,7 @@ def hold_view(state_dir: Path) -> dict[str, Any]:
     counts = hold.read_counts(state_dir)
     return {
         "switching_to": mark.target if mark else None,
+        "mark_problem": mark.problem if mark else None,  # a mark that exists and cannot be read
         "held_now": counts.now,
         "held_total": counts.total,
         "timed_out_total": counts.timed_out,

@@ -301,3 +301,65 @@ def test_a_new_file_beside_is_ours_alone(tmp_path: Path, monkeypatch: pytest.Mon
     assert Path(first).name == ".mark.json." + "01" * 6
     assert Path(second).name == ".mark.json." + "02" * 6
     assert Path(first).parent == tmp_path and (Path(second).stat().st_mode & 0o777) == 0o600
+
+
+@pytest.mark.parametrize("kind", ["garbage", "folder"])
+def test_a_mark_that_cannot_be_read_holds_and_says_so_once(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Not "no switch": a mark that exists and cannot be read holds every request (the switch's
+    own too, whose token it cannot know), and the journal says why, once."""
+    path = tmp_path / hold.HOLD_FILE
+    if kind == "garbage":
+        path.write_text('{"pid": "twelve"')
+    else:
+        path.mkdir()  # read_text fails with an OSError
+    mark = hold.read_mark(tmp_path)
+    assert mark is not None and mark.problem is not None and str(path) in mark.problem
+    assert mark.holds(8001) and not waiting.is_switch_token("anything", mark)
+    clock, backend = Clock(), Backend()
+    for _ in range(2):
+        with pytest.raises(waiting.HoldTimeout) as e:
+            asyncio.run(gate(tmp_path, backend, clock, hold_s=1).wait())
+        assert e.value.why.startswith("the hold mark cannot be read")
+    lines = [line for line in capsys.readouterr().err.splitlines() if "hold mark" in line]
+    assert len(lines) == 2, "once per gate (each gate here is a new worker's)"
+    assert "requests wait as in a switch" in lines[0]
+
+
+def test_counts_that_cannot_be_written_are_said_in_the_journal_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(waiting, "write_counts", full)
+    clock, backend = Clock(), Backend(healthy=False)
+    g = gate(tmp_path, backend, clock, hold_s=1)
+    for _ in range(3):
+        with pytest.raises(waiting.HoldTimeout):
+            asyncio.run(g.wait())
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [
+        f"cannot write the held-request counts in {tmp_path}: No space left on device; "
+        "the status page and the metrics do not see them"
+    ]
+
+
+def test_inside_the_proxy_a_door_that_cannot_be_mounted_stops_it() -> None:
+    """A LiteLLM whose proxy module has no app the door can stand in front of: the hook's import
+    ends the process (status 3: gunicorn's "failed to boot") with a journal line, rather than
+    let LiteLLM serve its own routes to the clients' key."""
+    code = (
+        "import sys, types\n"
+        "server = types.ModuleType('litellm.proxy.proxy_server')\n"
+        "server.app = object()\n"
+        "sys.modules['litellm.proxy.proxy_server'] = server\n"
+        "import appliance.proxy.hook\n"
+        "print('served anyway')\n"
+    )
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "served anyway" not in out.stdout
+    assert "b70: the door could not be mounted: LiteLLM's proxy has no app" in out.stderr

@@ -43,6 +43,9 @@ class Mark:
     # The runtime ports whose requests wait: the target's and those of the runtimes it stops.
     # Runtimes serving on other cards go on answering. None: every port (a mark without them).
     ports: tuple[int, ...] | None = None
+    # Why the mark's file could not be read, if it could not: such a mark holds every request
+    # (its token matches none) and says so, rather than count as no switch.
+    problem: str | None = None
 
     def holds(self, port: int | None) -> bool:
         return self.ports is None or port is None or port in self.ports
@@ -116,21 +119,34 @@ def marked(state_dir: Path, target: str, ports: tuple[int, ...] | None = None) -
 
 
 def read_mark(state_dir: Path) -> Mark | None:
-    """The mark of a switch that is still running, or None."""
+    """The mark of a switch that is still running; None if there is none. A mark that exists
+    and cannot be read is a Mark with its `problem`: it holds, and is never taken for none."""
+    path = state_dir / HOLD_FILE
     try:
-        data = json.loads((state_dir / HOLD_FILE).read_text())
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return _unreadable(path, e.strerror or str(e))
+    try:
+        data = json.loads(text)
         pid = int(data["pid"])
         ports = data.get("ports")
         mark = Mark(
             pid, str(data["target"]), float(data["since"]), str(data["token"]),
             None if ports is None else tuple(int(p) for p in ports),
         )  # fmt: skip
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    except (ValueError, KeyError, TypeError):
+        return _unreadable(path, "it is not a hold mark the appliance wrote")
     started = start_time(pid)
     if started is None or started != data.get("pid_start"):
         return None  # the switch that wrote it is gone
     return mark
+
+
+def _unreadable(path: Path, why: str) -> Mark:
+    problem = f"{path}: {why}; the next `b70ctl switch` writes it anew"
+    return Mark(0, "?", time.time(), "", None, problem)
 
 
 # --- what the proxy's workers hold, for the monitor ---------------------------------------------

@@ -36,6 +36,7 @@ from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAut
 from appliance.proxy import backend as backend_mod
 from appliance.proxy import door, mount, routing
 from appliance.proxy import hold as hold_mark
+from appliance.proxy.asgi import log
 from appliance.proxy.waiting import HEALTH_TIMEOUT_S, Gate, HoldTimeout, Probe
 
 
@@ -187,7 +188,15 @@ def _asked() -> str | None:
 
 # Imported by the proxy: the door goes in front of LiteLLM's app (elsewhere this does nothing).
 hold = HoldHook()
-_runtimes = mount.install_in_proxy(wait_ready, hold_request, hold, readiness=hold.readiness)
+try:
+    _runtimes = mount.install_in_proxy(wait_ready, hold_request, hold, readiness=hold.readiness)
+except mount.DoorNotMounted as _e:
+    # Without the door, LiteLLM's own routes (admin, keys, UI) would answer the clients' key and
+    # no request would be checked or held: the proxy does not serve at all. Exit status 3 is
+    # gunicorn's "worker failed to boot", which stops its master too; in the master, it fails
+    # the unit, whose journal has this line.
+    log(f"b70: the door could not be mounted: {_e}; the proxy stops rather than serve without it")
+    os._exit(3)
 hold.backend, hold.runtimes = (_runtimes.first if _runtimes else None), _runtimes
 if _runtimes is not None and "B70_STATE_DIR" in os.environ:
     # This process's slot in each runtime's open count now, so a drain before the first request

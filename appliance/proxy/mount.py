@@ -183,6 +183,10 @@ def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
     return True
 
 
+class DoorNotMounted(Exception):
+    """Inside the proxy, the door could not be put in front of LiteLLM's app."""
+
+
 def install_in_proxy(
     wait_ready: WaitReady | None = None,
     hold: Hold | None = None,
@@ -194,9 +198,14 @@ def install_in_proxy(
     `wait_ready`: the request hold, for requests sent again after the runtime died; `hold`: the
     request hold of the fast way (appliance.proxy.relay)."""
     server = sys.modules.get("litellm.proxy.proxy_server")
+    if server is None:
+        return None  # imported outside the proxy (a test, a tool): nothing to stand in front of
     app = getattr(server, "app", None)
     if app is None or not hasattr(app, "middleware_stack"):
-        return None
+        raise DoorNotMounted(
+            f"LiteLLM's proxy has no app with a middleware stack to stand in front of "
+            f"({type(app).__name__}): a LiteLLM release other than the pinned one?"
+        )
     urls = env.get("B70_BACKEND_URL", "").split()
     runtimes = Runtimes(urls, env.get("B70_PEER_URL", "").split()) if urls else None
     limit = max_body_bytes(env)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from appliance.proxy.asgi import log
 from appliance.proxy.hold import TICKET, HeldCounts, Mark, OpenRequests, read_mark, write_counts
 
 POLL_S = 0.2
@@ -34,6 +35,15 @@ class HoldTimeout(Exception):
 
 
 Probe = Callable[[], Awaitable[bool]]
+
+
+def is_switch_token(token: str | None, mark: Mark) -> bool:
+    """Whether a request's hold token is the switch's own, in constant time and for any text
+    (compared as UTF-8 bytes, a lone surrogate too): another text is only a mismatch."""
+    if not token:
+        return False
+    given = token.encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(given, mark.token.encode("utf-8", "surrogatepass"))
 
 
 class Gate:
@@ -59,21 +69,25 @@ class Gate:
         self.counts = HeldCounts()
         self.counts_written = False
         self.open_requests = OpenRequests(state_dir, port)
+        self.said: str | None = None  # the last problem written to the journal
 
     def admits(self, token: str | None, mark: Mark | None) -> bool:
         """Whether a request may be sent to this runtime now, as one of a name's several
         replicas: not while a switch holds it (a switch's own request: only where it holds)."""
         held = mark is not None and mark.holds(self.port)
-        own = mark is not None and token is not None and hmac.compare_digest(token, mark.token)
+        own = mark is not None and is_switch_token(token, mark)
         return held if own else not held
 
     async def blocked(self, token: str | None, health: bool = True) -> str | None:
         """Why a request must wait now, or None. `health`: False when the request's own
         connection will tell (the door's fast way holds it when the runtime does not serve)."""
         mark = read_mark(self.state_dir)
+        if mark is not None and mark.problem is not None:
+            self._say(f"the hold mark cannot be read: {mark.problem}; requests wait as in a switch")
+            return f"the hold mark cannot be read ({mark.problem})"
         if mark is not None and not mark.holds(self.port):
             mark = None  # a switch of runtimes on other cards: this one goes on serving
-        if mark is not None and not (token and hmac.compare_digest(token, mark.token)):
+        if mark is not None and not is_switch_token(token, mark):
             return f"switching to {mark.target}"
         now = self.clock()
         if mark is not None or not health or now < self.healthy_until:
@@ -146,5 +160,16 @@ class Gate:
         try:
             write_counts(self.state_dir, self.counts, first=not self.counts_written)
             self.counts_written = True
-        except OSError:
-            pass  # the counts are for the monitor; a request never fails because of them
+        except OSError as e:
+            # The counts are for the monitor: a request never fails because of them, but the
+            # journal says that the status page and the metrics miss them.
+            self._say(
+                f"cannot write the held-request counts in {self.state_dir}: {e.strerror or e}; "
+                "the status page and the metrics do not see them"
+            )
+
+    def _say(self, line: str) -> None:
+        """A journal line, once while it stays the same."""
+        if line != self.said:
+            self.said = line
+            log(line)
