@@ -136,6 +136,12 @@ def placements(
     return {name: cards_of(config, rt, cards) for name, rt in sorted(config.runtimes.items())}
 
 
+def devices_of(config: Config, runtime: RuntimeConfig, cards: Sequence[Card] | None) -> list[str]:
+    """The cards whose memory gates `runtime`'s start: its own placed cards (their PCI
+    addresses), or `[gpu] device` when the config names no cards."""
+    return [c.pci for c in cards] if cards else [config.gpu.device]
+
+
 def selection(runtime: RuntimeConfig, cards: Sequence[Card]) -> Selection:
     """How `runtime`'s engine and launcher are told to use `cards`, and only them."""
     container = runtime.launcher is not Launcher.NATIVE

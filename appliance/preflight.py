@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from appliance import gpu, runtimes, systemd
+from appliance import gpu, placement, runtimes, systemd
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.gpu import memgate
@@ -26,17 +26,27 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
             f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
         )
-    snap = gpu.snapshot(gpu.sysroot())
-    need = target.memory_needed_bytes
-    verdict = memgate.judge_switch(snap, config.gpu.device, need, container_pids(config))
+    verdicts = memory_verdicts(config, target, gpu.snapshot(gpu.sysroot()))
+    verdict = next((v for v in verdicts if not v.ok), verdicts[0])
     if not verdict.ok:
         raise ApplianceError(
             f"{target.name} would not have enough GPU memory: {verdict.reason}",
             hint="stop that process first; `b70ctl gpu` shows every holder",
             code="gpu_memory_busy",
         )
-    notes.append(f"GPU memory: {verdict.reason}")
+    notes += [f"GPU memory: {v.reason}" for v in dict.fromkeys(verdicts)]
     return notes
+
+
+def memory_verdicts(
+    config: Config, target: RuntimeConfig, snap: gpu.Snapshot
+) -> list[memgate.Verdict]:
+    """Each of the target's own cards judged as its unit's memory gate will judge it, once every
+    appliance runtime has stopped: a holder there is found now, before the old runtime stops."""
+    placed = placement.placements(config)
+    devices = placement.devices_of(config, target, placed[target.name] if placed else None)
+    ours = container_pids(config)
+    return [memgate.judge_switch(snap, d, target.memory_needed_bytes, ours) for d in devices]
 
 
 def check_installed(config: Config, lay: Layout, names: tuple[str, ...]) -> None:

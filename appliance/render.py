@@ -138,7 +138,7 @@ def render_runtime_unit(
     gate = [config.b70ctl, "unit", "pre", "--port", str(runtime.port)]
     if config.backend.host != BackendConfig.host:  # the gate's own default
         gate += ["--host", config.backend.host]
-    for device in [c.pci for c in cards] if cards else [config.gpu.device]:
+    for device in placement.devices_of(config, runtime, cards):
         gate += ["--device", device]
     gate += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
     pre.append([*gate, "--gpu-timeout", f"{config.gpu.release_timeout_s:g}"])

@@ -187,6 +187,7 @@ class Executor:
         self.current: plans.Step | None = None  # the step being applied
         self.stopping: tuple[str, ...] = ()  # the plan's: their requests are held too
         self.drain_ends: float | None = None  # when every drain's time is up
+        self.unenabled: str | None = None  # why the verified target is not enabled for boot
 
     def result(self, ok: bool, **fields: Any) -> SwitchResult:
         seconds = self.clock.monotonic() - self.t0
@@ -226,9 +227,18 @@ class Executor:
                     raise  # before the commit nothing changed; a stop that hangs is its own error
                 return self.roll_back(plan, failure)
         received = self.interrupts.received
-        unrecorded = self.record(self.result(ok=True), interrupted=received is not None)
+        done = self.result(ok=True, error=self.unenabled)
+        unrecorded = self.record(done, interrupted=received is not None)
         if unrecorded:
             self.notes.append(unrecorded)
+        if self.unenabled is not None:
+            raise ApplianceError(
+                self.unenabled + (f"; {unrecorded}" if unrecorded else ""),
+                hint=f"after a reboot another runtime would start: `b70ctl switch {self.target}` "
+                "again enables it",
+                code="enable_failed",
+                details={"switch": done.record(self.clock.time())},
+            )
         if received:
             raise SwitchInterrupted(
                 f"interrupted by {received} after {self.target} had begun to start; the "
@@ -289,7 +299,10 @@ class Executor:
             self.phases["gated"] = self.clock.monotonic() - t0
         elif step.kind == plans.ENABLE:
             self.hold.close()  # the held requests go on now; the rest is bookkeeping
-            edges.enable(rt)
+            try:
+                edges.enable(rt)
+            except ApplianceError as e:  # it serves, verified: no rollback, but said and kept
+                self.unenabled = f"{rt} serves, but could not be enabled for boot: {e.message}"
         else:  # pragma: no cover - a plan names only the steps above
             raise AssertionError(f"unknown step {step}")
 

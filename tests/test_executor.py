@@ -296,3 +296,16 @@ def test_a_record_that_cannot_be_written_is_said_not_lost() -> None:
     assert result.ok and "state dir full" in result.notes
     _, error = execute("llamacpp", "vllm", fail={"start vllm"}, unrecorded="state dir full")
     assert error.message.endswith("\nstate dir full")
+
+
+def test_a_target_that_cannot_be_enabled_serves_and_the_switch_says_so_and_records_it() -> None:
+    """Verified and serving: no rollback, but boot would start another runtime, so the command
+    fails with that, and the history has the switch with the reason."""
+    fake, error = execute("llamacpp", "vllm", fail={"enable vllm"})
+    assert fake.calls == SWITCHED, "nothing is rolled back or stopped"
+    assert isinstance(error, ApplianceError) and error.code == "enable_failed"
+    assert error.message == "vllm serves, but could not be enabled for boot: enable vllm failed"
+    assert "`b70ctl switch vllm`" in (error.hint or "")
+    [record] = fake.records
+    assert record["ok"] is True and record["to"] == "vllm"
+    assert record["error"] == error.message

@@ -422,3 +422,34 @@ def test_the_four_card_example_renders_and_verifies_on_a_four_b70_host(
     assert "opt/llama.cpp/bin/llama-server" in STUB_EXECUTABLES
     units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
     assert analyze_verify(root, units) == ""
+
+
+def test_a_switchs_preflight_judges_the_targets_own_cards(tmp_path: Path) -> None:
+    """A foreign holder on the target's second card is found by the preflight, before the old
+    runtime is stopped, not first by the unit's memory gate after it ([gpu] device is the first
+    card, which is free)."""
+    from appliance import gpu
+    from appliance.preflight import memory_verdicts
+
+    root = t.build(
+        tmp_path,
+        [
+            t.Card("0000:03:00.0", card="card1", render="renderD128"),
+            t.Card("0000:07:00.0", card="card2", render="renderD129", vram_used=31 * t.GIB),
+        ],
+        [t.Proc(5151, ["python3", "train.py"], t.FOREIGN_CGROUP, [
+            t.Client(fd=9, slot="0000:07:00.0", client_id=31, resident="30720 MiB",
+                     render="renderD129"),
+        ])],
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("B70_SYSROOT", str(root))
+        gpu_table = 'cards = "auto"\nmemory_needed_gib = 20'
+        cfg = parse(HEAD.format(gpu=gpu_table) + TP_AND_VISION.split("[runtimes.ctr]")[0])
+        snap = gpu.snapshot(root)
+        tp = memory_verdicts(cfg, cfg.runtimes["tp"], snap)
+        vision = memory_verdicts(cfg, cfg.runtimes["vision"], snap)
+    assert [v.device for v in tp] == ["0000:03:00.0", "0000:07:00.0"]
+    assert tp[0].ok and not tp[1].ok
+    assert "python3 train.py" in tp[1].reason or "5151" in tp[1].reason, tp[1].reason
+    assert [(v.device, v.ok) for v in vision] == [("0000:07:00.0", False)]
