@@ -57,7 +57,14 @@ from appliance.proxy import direct, hold
 from appliance.proxy.asgi import ASGIApp, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
 from appliance.proxy.checks import Refusal, check_request, parse_body
-from appliance.proxy.relay import PASS_THROUGH, WaitReady, relay, replay, resend
+from appliance.proxy.relay import (
+    PASS_THROUGH,
+    WaitReady,
+    relay,
+    replay,
+    resend,
+    runtime_gone,
+)
 from appliance.proxy.waiting import HoldTimeout
 
 Scope = Mapping[str, Any]
@@ -233,9 +240,10 @@ class Door:
         ticket = hold.Ticket(checked.model, token, _header(scope, PEER_HEADER) is not None)
         context = hold.TICKET.set(ticket)
         try:
-            if not await self.fast(scope, checked, receive, send, token, arrived):
+            sent = await self.fast(scope, checked, receive, send, token, arrived)
+            if sent is not None:
                 await resend(self.app, scope, checked.body, receive, send, arrived, self.hold_s,
-                             self.wait_ready, self.clock, token)  # fmt: skip
+                             self.wait_ready, self.clock, token, sent)  # fmt: skip
         finally:
             ticket.close()
             hold.TICKET.reset(context)
@@ -243,41 +251,47 @@ class Door:
     async def fast(
         self, scope: Scope, checked: Checked, receive: Receive, send: Send, token: str | None,
         arrived: float,
-    ) -> bool:  # fmt: skip
+    ) -> int | None:  # fmt: skip
         """The request held, then sent the fast way: straight to the runtime when the model
         has one deployment (appliance.proxy.direct), else LiteLLM's pass-through route
-        (appliance.proxy.relay). False when it must go the full way."""
+        (appliance.proxy.relay). None when it was answered; else it must go the full way, and
+        the number of times it was sent to this runtime already (each counts toward
+        relay.REPLAYS: a request that kills its runtime is not sent again and again)."""
         route = route_of(route_path(scope), None)
         if self.hold is None or route is None or route[0] not in PASS_THROUGH:
-            return False
+            return 0
         target = self.direct_to(checked.model) if self.direct_to is not None else None
         if target is None and self.replicas is not None:
             try:
                 answered = await self.to_replica(scope, checked, route[0], receive, send, token)
             except HoldTimeout as e:
                 await hold_timeout(e).send(send)
-                return True
+                return None
             if answered is not None:
-                return answered
+                return None if answered else 1
         try:
             await self.hold(token)
         except HoldTimeout as e:
             await hold_timeout(e).send(send)
-            return True
+            return None
         if target is not None:
             call = direct.Call(
                 target, route[0], direct.as_served(checked.body, checked.model, target)
             )
             await self.direct_app({**scope, call.SCOPE_KEY: call}, receive, send)
             if call.way == direct.ANSWERED:
-                return True
+                return None
             if call.way == direct.NOT_READY and self.wait_ready is not None:
-                # The runtime stopped serving: held, like a request that finds it down.
-                await self.wait_ready(max(0.0, self.hold_s - (self.clock() - arrived)), token)
+                # The runtime stopped serving: held, like a request that finds it down; if it
+                # does not serve again within the request's hold time, that is the answer.
+                left = max(0.0, self.hold_s - (self.clock() - arrived))
+                if await self.wait_ready(left, token) is None:
+                    await runtime_gone(self.clock() - arrived, self.hold_s).send(send)
+                    return None
         elif await relay(self.app, scope, route[0], replay(checked.body, receive), send):
-            return True
+            return None
         log(f"b70: {route_path(scope)}: no answer the fast way; sent again the full way")
-        return False
+        return 1
 
     async def ready(self, send: Send) -> None:
         """200 when this box's own runtimes serve a name, 503 while none does (switching, or

@@ -164,7 +164,7 @@ class _HeldFailure:
             await self.send({"type": "http.response.body", "body": b"".join(self.body)})
 
 
-def _runtime_gone(waited_s: float, hold_s: float) -> Refusal:
+def runtime_gone(waited_s: float, hold_s: float) -> Refusal:
     retry_after = max(1, round(min(hold_s / 4, 30)))
     return Refusal(
         503, f"the model is not available: the runtime stopped answering this request and did "
@@ -177,6 +177,7 @@ def _runtime_gone(waited_s: float, hold_s: float) -> Refusal:
 async def resend(
     app: ASGIApp, scope: Any, body: bytes, receive: Receive, send: Send, arrived: float,
     hold_s: float, wait_ready: WaitReady | None, clock: Callable[[], float], token: str | None,
+    sent: int = 0,
 ) -> None:  # fmt: skip
     """The full way, sent again if the runtime died before answering.
 
@@ -184,10 +185,11 @@ async def resend(
     without an answer), which it answers 500. If that happens before the client got a byte,
     the answer is kept back, the request waits like any held request until the runtime
     serves again (the hold: a restart by systemd or the monitor, or a switch), and it is
-    sent again, within the hold time from its arrival. At most REPLAYS times: a request
-    that kills the runtime each time it is sent must not keep killing it. An answer that
-    has begun (a stream's first event) is never taken back."""
-    for attempt in range(REPLAYS + 1):
+    sent again, within the hold time from its arrival. It is sent REPLAYS + 1 times at most,
+    the `sent` times of the fast way before it included: a request that kills the runtime
+    each time it is sent must not keep killing it. An answer that has begun (a stream's first
+    event) is never taken back."""
+    for attempt in range(min(sent, REPLAYS), REPLAYS + 1):
         held = _HeldFailure(send) if wait_ready is not None else None
         await app(scope, replay(body, receive), held or send)
         if held is None or not held.kept_back:
@@ -199,7 +201,7 @@ async def resend(
         assert wait_ready is not None
         waited = await wait_ready(left, token)
         if waited is None:
-            await _runtime_gone(clock() - arrived, hold_s).send(send)
+            await runtime_gone(clock() - arrived, hold_s).send(send)
             return
         log(
             f"b70: {scope['path']}: the runtime failed before answering; sent again "
