@@ -9,11 +9,14 @@ Routes:
   POST /api/switch       {"runtime": NAME}: runs `b70ctl switch NAME`; one at a time
   GET  /metrics          Prometheus text, as before
 
-On loopback (the default) anyone on the box may look. Served beyond loopback, every route wants
-the appliance key: `Authorization: Bearer KEY`, or the cookie `GET /?key=KEY` sets (HttpOnly,
-SameSite=Strict). A POST must also carry the page's token in X-B70-Token, as JSON, and from the
-page's own origin (Origin and Sec-Fetch-Site, where the browser sends them): another site can
-neither read the token nor send the header without a preflight this server never grants.
+A request must name in its one Host header a host the page is served as (Page.serves), with the
+page's port or none; any other gets 421 before anything is read, so a site whose name was rebound
+to this machine (DNS rebinding) gets nothing. On loopback (the default) anyone on the box may
+look; beyond it, every route wants the appliance key: `Authorization: Bearer KEY`, or the cookie
+`GET /?key=KEY` sets (HttpOnly, SameSite=Strict). A POST must also carry the page's token in
+X-B70-Token, as JSON, from the page's origin (Sec-Fetch-Site; Origin: http:// and the request's
+Host): another site can neither read the token nor send the header without a preflight this
+server never grants. Secrets are compared as bytes: any text is only a mismatch.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import functools
 import hmac
 import http.cookies
+import ipaddress
 import json
 import secrets
 import socket
@@ -28,6 +32,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -35,6 +40,7 @@ from typing import Any
 
 from appliance import samples, status, systemd
 from appliance.config import Config, is_loopback
+from appliance.config.values import WILDCARD_HOSTS, check_host
 from appliance.errors import ApplianceError
 from appliance.layout import Layout, Scope
 from appliance.proxy import hold
@@ -55,6 +61,63 @@ JOURNAL_LINES = 15
 MAX_BODY = 4096
 
 
+def same_secret(given: str, secret: str) -> bool:
+    """Whether `given` is `secret`, in constant time, for any text (compared as UTF-8 bytes; a
+    lone surrogate too): a value that is not ASCII is a mismatch, not a TypeError."""
+    return hmac.compare_digest(
+        given.encode("utf-8", "surrogatepass"), secret.encode("utf-8", "surrogatepass")
+    )
+
+
+def parse_authority(text: str) -> tuple[str, int | None] | None:
+    """A Host header's (or an origin's) name and port, from `name`, `name:port`, `[v6]` or
+    `[v6]:port`; None when it is none of them. The name in lower case, an IPv6 address bare and
+    compressed; the port None when none is given."""
+    if text.startswith("["):
+        inner, bracket, rest = text[1:].partition("]")
+        name = parse_host_name(inner) if bracket and ":" in inner else ""
+    else:
+        name, colon, port_text = text.partition(":")
+        name, rest = name.lower(), colon + port_text
+    if not name or check_host(name) is not None:  # a host name or an IP address, IPv6 too
+        return None
+    if not rest:
+        return name, None
+    digits = rest[1:]
+    ok = rest[0] == ":" and digits.isascii() and digits.isdigit() and len(digits) <= 5
+    return (name, int(digits)) if ok and int(digits) <= 65535 else None
+
+
+def parse_host_name(host: str) -> str:
+    """A configured host as parse_authority gives its name: lower case, IPv6 compressed."""
+    try:
+        return ipaddress.ip_address(host).compressed
+    except ValueError:
+        return host.lower()
+
+
+def is_loopback_address(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+@functools.cache
+def machine_names() -> frozenset[str]:
+    """This machine's host name and fully qualified name (read once: the FQDN may ask DNS)."""
+    return frozenset({socket.gethostname().lower(), socket.getfqdn().lower()})
+
+
+def machine_addresses() -> frozenset[str]:
+    """The addresses of this machine's interfaces now, as parse_authority gives them."""
+    import psutil
+
+    ip = (socket.AF_INET, socket.AF_INET6)
+    every = [a for addresses in psutil.net_if_addrs().values() for a in addresses]
+    return frozenset(parse_host_name(a.address.split("%")[0]) for a in every if a.family in ip)
+
+
 @dataclass
 class Job:
     """A switch the page started: its phases as b70ctl prints them, then how it ended."""
@@ -72,6 +135,8 @@ class Page:
         self.config, self.lay, self.metrics = config, lay, metrics
         self.token = secrets.token_urlsafe(24)
         self.exposed = not is_loopback(config.monitor.host)
+        host = config.monitor.host
+        self.host_name = None if host in WILDCARD_HOSTS else parse_host_name(host)
         self.job: Job | None = None
         self.lock = threading.Lock()
 
@@ -79,6 +144,27 @@ class Page:
         from appliance.state import read_key
 
         return read_key(self.lay)
+
+    def serves(self, name: str) -> bool:
+        """Whether the page answers for the host `name` (as parse_authority gives it). Names
+        other than localhost are resolved by DNS, which a site rebinds for its own names: only
+        those this machine has are served (docs/security.md)."""
+        if name == "localhost" or is_loopback_address(name) or name == self.host_name:
+            return True
+        return self.exposed and (name in machine_names() or name in machine_addresses())
+
+    def judge_host(self, values: list[str], port: int) -> tuple[HTTPStatus, str] | None:
+        """Why a request with these Host headers is not for this page, or None when it is."""
+        if len(values) != 1:
+            return HTTPStatus.BAD_REQUEST, "name the page's host in one Host header"
+        host = parse_authority(values[0])
+        if host is not None and host[1] in (None, port) and self.serves(host[0]):
+            return None
+        where = "by this machine's name or address" if self.exposed else "as localhost"
+        return HTTPStatus.MISDIRECTED_REQUEST, (
+            f"this page is not served as {values[0][:100]!r}: open it {where} "
+            f"or as http://127.0.0.1:{port}/ on this machine"
+        )
 
     # --- what the page shows ------------------------------------------------------------------
 
@@ -155,6 +241,7 @@ def asset(name: str) -> bytes:
 
 class Handler(BaseHTTPRequestHandler):
     page: Page  # set on the class serve() makes
+    port: int  # the port it listens on, set there too
     server_version = "b70-monitor"
 
     def log_message(self, format: str, *args: Any) -> None:
@@ -175,6 +262,14 @@ class Handler(BaseHTTPRequestHandler):
     def refuse(self, code: HTTPStatus, message: str) -> None:
         self.send_json(code, {"error": {"code": code.phrase, "message": message}})
 
+    def misdirected(self) -> bool:
+        """Refuses a request that does not name one of the page's hosts (DNS rebinding): True
+        when it did. Asked first: nothing is read for such a request."""
+        problem = self.page.judge_host(self.headers.get_all("Host") or [], self.port)
+        if problem is not None:
+            self.refuse(*problem)
+        return problem is not None
+
     def allowed(self, query: dict[str, list[str]]) -> bool:
         """Beyond loopback: the key, by header, cookie, or once in the query (then a cookie)."""
         if not self.page.exposed:
@@ -183,9 +278,9 @@ class Handler(BaseHTTPRequestHandler):
         given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         jar = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
         cookie = jar[COOKIE].value if COOKIE in jar else ""
-        if any(v and hmac.compare_digest(v, key) for v in (given, cookie)):
+        if any(v and same_secret(v, key) for v in (given, cookie)):
             return True
-        if self.path.startswith("/?") and hmac.compare_digest(query.get("key", [""])[0], key):
+        if self.path.startswith("/?") and same_secret(query.get("key", [""])[0], key):
             cookie_line = f"{COOKIE}={key}; HttpOnly; SameSite=Strict; Path=/"
             self.send(HTTPStatus.SEE_OTHER, b"", "text/plain",
                       {"Location": "/", "Set-Cookie": cookie_line})  # fmt: skip
@@ -194,16 +289,27 @@ class Handler(BaseHTTPRequestHandler):
         return False
 
     def do_GET(self) -> None:
-        url = urllib.parse.urlsplit(self.path)
-        query = urllib.parse.parse_qs(url.query)
-        if not self.allowed(query):
-            return
-        try:
-            self.get(url.path, query)
-        except (ApplianceError, OSError) as e:
-            self.refuse(HTTPStatus.SERVICE_UNAVAILABLE, getattr(e, "message", str(e)))
+        self.answer(self.get)
 
     do_HEAD = do_GET
+
+    def do_POST(self) -> None:
+        self.answer(self.post)
+
+    def answer(self, respond: Callable[[str, dict[str, list[str]]], None]) -> None:
+        """Every request's way: its Host judged first, then the key, then `respond`."""
+        if self.misdirected():
+            return
+        try:
+            url = urllib.parse.urlsplit(self.path)
+        except ValueError:
+            return self.refuse(HTTPStatus.BAD_REQUEST, f"not a path: {self.path[:100]!r}")
+        query = urllib.parse.parse_qs(url.query) if self.command != "POST" else {}
+        try:
+            if self.allowed(query):
+                respond(url.path, query)
+        except (ApplianceError, OSError) as e:
+            self.refuse(HTTPStatus.SERVICE_UNAVAILABLE, getattr(e, "message", str(e)))
 
     def get(self, path: str, query: dict[str, list[str]]) -> None:
         if path in ASSETS:
@@ -223,11 +329,9 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self.refuse(HTTPStatus.NOT_FOUND, f"no page at {path}")
 
-    def do_POST(self) -> None:
-        if not self.allowed({}):
-            return
-        if self.path != "/api/switch":
-            return self.refuse(HTTPStatus.NOT_FOUND, f"nothing to post at {self.path}")
+    def post(self, path: str, query: dict[str, list[str]]) -> None:
+        if path != "/api/switch":
+            return self.refuse(HTTPStatus.NOT_FOUND, f"nothing to post at {path}")
         if problem := self.cross_site():
             return self.refuse(HTTPStatus.FORBIDDEN, problem)
         try:
@@ -251,7 +355,7 @@ class Handler(BaseHTTPRequestHandler):
     def cross_site(self) -> str | None:
         """Why this POST may have come from another site; None when it is the page's own."""
         token = self.headers.get("X-B70-Token", "")
-        if not hmac.compare_digest(token, self.page.token):
+        if not same_secret(token, self.page.token):
             return "the page's token is missing or wrong: reload the page"
         if self.headers.get("Content-Type", "").split(";")[0].strip() != "application/json":
             return "send JSON"
@@ -259,20 +363,35 @@ class Handler(BaseHTTPRequestHandler):
         if site is not None and site not in ("same-origin", "none"):
             return f"a request from another site ({site})"
         origin = self.headers.get("Origin")
-        if origin is not None and origin != f"http://{self.headers.get('Host', '')}":
+        if origin is not None and not judge_origin(origin, self.headers.get("Host", "")):
             return f"a request from {origin}"
         return None
 
 
+def judge_origin(origin: str, host: str) -> bool:
+    """Whether a browser's Origin is the page's own: http:// and the request's Host (its name
+    and port, as parse_authority reads them; the Host was judged before)."""
+    authority = origin.removeprefix("http://")
+    if authority == origin:
+        return False  # another scheme, or "null"
+    mine, theirs = parse_authority(host), parse_authority(authority)
+    return mine is not None and mine == theirs
+
+
 def serve(page: Page, host: str, port: int) -> ThreadingHTTPServer:
     """The page's server, answering from a thread of its own."""
-    handler = type("PageHandler", (Handler,), {"page": page})
+
+    class PageHandler(Handler):
+        pass
+
+    PageHandler.page = page
     server_class = type(
         "PageServer",
         (ThreadingHTTPServer,),
         {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET},
     )
-    server: ThreadingHTTPServer = server_class((host, port), handler)
+    server: ThreadingHTTPServer = server_class((host, port), PageHandler)
+    PageHandler.port = server.server_port
     server.daemon_threads = True
     threading.Thread(
         target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="status-page", daemon=True

@@ -25,7 +25,8 @@ def chromium() -> str | None:
 
 
 class Browser:
-    def __init__(self, width: int = 1280, height: int = 900) -> None:
+    def __init__(self, width: int = 1280, height: int = 900, flags: tuple[str, ...] = ()) -> None:
+        """`flags`: more of Chromium's command line, such as --host-resolver-rules."""
         exe = chromium()
         if exe is None:
             raise RuntimeError("chromium is not installed (Debian: apt-get install chromium)")
@@ -33,7 +34,7 @@ class Browser:
         self.process = subprocess.Popen(
             [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
-             f"--window-size={width},{height}", "about:blank"],
+             f"--window-size={width},{height}", *flags, "about:blank"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         self.events: list[dict[str, Any]] = []
@@ -71,8 +72,10 @@ class Browser:
                 return dict(message.get("result", {}))
             self.events.append(message)
 
-    def evaluate(self, expression: str) -> Any:
-        result = self.send("Runtime.evaluate", expression=expression, returnByValue=True)
+    def evaluate(self, expression: str, await_promise: bool = False) -> Any:
+        """The expression's value; with `await_promise`, the value its promise settles to."""
+        params = {"expression": expression, "returnByValue": True, "awaitPromise": await_promise}
+        result = self.send("Runtime.evaluate", **params)
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
@@ -97,6 +100,14 @@ class Browser:
         data = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data["data"]))
+
+    def status_of(self, url: str) -> int | None:
+        """The HTTP status of the last response for `url` seen since the last goto(), if any."""
+        for e in reversed(self.events):
+            response = e.get("params", {}).get("response", {})
+            if e.get("method") == "Network.responseReceived" and response.get("url") == url:
+                return int(response["status"])
+        return None
 
     def bytes_received(self) -> int:
         """Bytes on the wire for every request finished since the last goto()."""

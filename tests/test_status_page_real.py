@@ -1,5 +1,6 @@
 """The status page in a real browser (Debian's headless Chromium): it reads the runtime, its
 switch button switches with the phases appearing live, and its chart holds the monitor's samples.
+A site whose name is rebound to this machine (DNS rebinding) gets neither the page nor a switch.
 
 The appliance is the demo on a private user manager; its GPU is a fixture tree of one B70 whose
 used VRAM the test sets per runtime (the xe memory-region reply on the render node), so the
@@ -37,6 +38,7 @@ USED = {"llamacpp": 6 * t.GIB, "vllm": 21 * t.GIB}  # what the fixture card says
 class Page:
     def __init__(self, app: Appliance, port: int, tree: Path, card: t.Card) -> None:
         self.app, self.url, self.tree, self.card = app, f"http://127.0.0.1:{port}/", tree, card
+        self.port = port
 
     def hold(self, runtime: str) -> None:
         """The card's used VRAM, as the xe driver would report it with `runtime` loaded."""
@@ -151,6 +153,43 @@ def test_a_switch_from_another_site_is_refused(page: Page) -> None:
     assert page.app.json("status")["result"]["active_runtime"] == before  # nothing moved
     page_headers = httpx.get(page.url).headers
     assert "frame-ancestors 'none'" in page_headers["Content-Security-Policy"]
+
+
+def test_a_site_rebound_to_this_machine_gets_neither_the_page_nor_a_switch(page: Page) -> None:
+    """DNS rebinding: Chromium resolves attacker.example to 127.0.0.1, as a site's own DNS does
+    after its first answer, so the site's page and scripts are of the origin
+    http://attacker.example:PORT, same-origin with what that name now reaches. Even knowing the
+    page's token, they get 421 for the page, the state and the switch; localhost is served."""
+    import httpx
+
+    before = page.app.json("status")["result"]["active_runtime"]
+    other = "vllm" if before == "llamacpp" else "llamacpp"
+    token = httpx.get(page.url).text.split('name="b70-token" content="', 1)[1].split('"', 1)[0]
+    job = httpx.get(page.url + "api/state").json()["job"]
+    rebound = f"http://attacker.example:{page.port}/"
+    with Browser(flags=("--host-resolver-rules=MAP attacker.example 127.0.0.1",)) as b:
+        b.goto(rebound)
+        status = wait(lambda: b.status_of(rebound), 30, "the rebound name's answer")
+        assert status == 421, status
+        b.wait_for("document.readyState == 'complete'", 30, "the refusal, loaded")
+        assert b.evaluate("document.querySelector('meta[name=\"b70-token\"]') === null")
+        text = b.evaluate("document.documentElement.textContent")
+        assert "Misdirected Request" in text and token not in text, text
+        switch = json.dumps({"method": "POST", "body": json.dumps({"runtime": other}),
+                             "headers": {"Content-Type": "application/json", "X-B70-Token": token}})  # fmt: skip
+        answers = b.evaluate(
+            "Promise.all([fetch('/api/state'), fetch('/metrics'), fetch('/status.js'), "
+            f"fetch('/api/switch', {switch})].map(p => p.then(async r => [r.status, await r.text()])))",
+            await_promise=True,
+        )
+        assert [status for status, _ in answers] == [421] * 4, answers
+        assert all(token not in body for _, body in answers), answers
+        # The page's own names are served in the same browser: localhost (kept on loopback by
+        # Chromium itself) reads the runtime.
+        b.goto(f"http://localhost:{page.port}/")
+        wait(lambda: serving_row(b) == before, 30, f"the page at localhost shows {before}")
+    assert httpx.get(page.url + "api/state").json()["job"] == job  # no switch was started
+    assert page.app.json("status")["result"]["active_runtime"] == before
 
 
 def test_a_switch_on_a_terminal_shows_the_phase_its_time_and_the_vram(page: Page) -> None:

@@ -1,9 +1,12 @@
-"""The status page's door and the monitor's ring of samples, without a manager: what is refused,
-what the key lets in, and how the ring stays an hour long."""
+"""The status page's door and the monitor's ring of samples, without a manager: the hosts it
+answers, what is refused, what the key lets in, and how the ring stays an hour long; and the
+proxy hold's token, compared as bytes like the page's secrets."""
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import httpx
 import pytest
 
 from appliance import samples, statuspage
-from appliance.config import parse
+from appliance.config import is_loopback, parse
 from appliance.layout import SAMPLES, Layout, Scope
 from b70tools.net import free_port
 
@@ -92,6 +95,186 @@ def test_a_post_needs_the_pages_token_json_and_the_pages_origin(page: tuple[str,
     assert bad.status_code == 400
     assert http.get(url + "/nothing", headers=auth).status_code == 404
     http.close()
+
+
+# --- the hosts the page answers -------------------------------------------------------------------
+
+
+Headers = dict[str, str | bytes]
+
+
+def ask(
+    url: str,
+    method: str,
+    path: str,
+    hosts: list[str],
+    headers: Headers | None = None,
+    body: bytes | None = None,
+) -> tuple[int, http.client.HTTPMessage, bytes]:
+    """A request with exactly these Host headers (none, one, two), as a browser or a rebinding
+    site could send it; header values as bytes go on the wire as they are."""
+    conn = http.client.HTTPConnection("127.0.0.1", port_of(url), timeout=10)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for host in hosts:
+            conn.putheader("Host", host)
+        for name, value in (headers or {}).items():
+            conn.putheader(name, value)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        answer = conn.getresponse()
+        return answer.status, answer.headers, answer.read()
+    finally:
+        conn.close()
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def token_of(url: str, exposed: bool) -> str:
+    auth = {"Authorization": f"Bearer {KEY}"} if exposed else {}
+    return httpx.get(url + "/", headers=auth).text.split('name="b70-token" content="', 1)[1][:32]
+
+
+def test_a_foreign_host_is_misdirected_on_every_route_before_anything_is_read(
+    page: tuple[str, bool],
+) -> None:
+    """DNS rebinding: a site whose name now resolves to 127.0.0.1 is answered 421, whatever it
+    asks and whatever it carries (the page's token, the key, its own origin)."""
+    url, exposed = page
+    token, port = token_of(url, exposed), port_of(url)
+    foreign = f"attacker.example:{port}"
+    auth: Headers = {"Authorization": f"Bearer {KEY}"} if exposed else {}
+    for method, path in [("GET", "/"), ("GET", "/status.js"), ("GET", "/api/state"),
+                         ("GET", "/metrics"), ("HEAD", "/"), ("GET", f"/?key={KEY}"),
+                         ("GET", "/nothing")]:  # fmt: skip
+        for headers in ({}, auth):
+            status, answer, body = ask(url, method, path, [foreign], headers)
+            assert status == 421, (method, path, headers, status, body)
+            assert token.encode() not in body and KEY.encode() not in body
+            assert b"b70-token" not in body
+            assert "Set-Cookie" not in answer
+    switch = {**auth, "Origin": f"http://{foreign}", "Sec-Fetch-Site": "same-origin",
+              "X-B70-Token": token, "Content-Type": "application/json"}  # fmt: skip
+    status, _, body = ask(url, "POST", "/api/switch", [foreign], switch, b'{"runtime": "zz"}')
+    assert status == 421 and b"attacker.example" in body, (status, body)
+    assert json.loads(body)["error"]["code"] == "Misdirected Request"
+
+
+def test_only_loopback_names_and_the_pages_own_are_served(page: tuple[str, bool]) -> None:
+    url, exposed = page
+    port = port_of(url)
+    auth: Headers = {"Authorization": f"Bearer {KEY}"} if exposed else {}
+    served = [f"127.0.0.1:{port}", "127.0.0.1", f"127.8.9.10:{port}", f"localhost:{port}",
+              f"LocalHost:{port}", "localhost", f"[::1]:{port}", f"[0:0::1]:{port}", "[::1]"]  # fmt: skip
+    foreign = ["attacker.example", f"127.0.0.1.attacker.example:{port}", f"foo.localhost:{port}",
+               f"localhost.attacker.example:{port}", f"localhost.:{port}", f"localhost:{port + 1}",
+               f"127.0.0.1:{port + 1}", f"127.1:{port}", f"[::2]:{port}", f"::1:{port}",
+               f"[::1:{port}", f"localhost:{port}:{port}", f"localhost:+{port}", "localhost:",
+               f"localhost:{port}0", f"[::1]{port}", f"0.0.0.0:{port}", f"[::]:{port}", "",
+               f"b\u00e4d.example:{port}", "localhost:\u00b2", "local host"]  # fmt: skip
+    for host in served:
+        status, _, body = ask(url, "GET", "/", [host], auth)
+        assert status == 200 and b"b70-token" in body, (host, status, body)
+    for host in foreign:
+        status, _, body = ask(url, "GET", "/api/state", [host], auth)
+        assert status == 421, (host, status, body)
+    # The machine's own names and addresses: served when the page is exposed, not on loopback.
+    own = [socket.gethostname(), *[a for a in own_addresses() if not is_loopback(a)][:2]]
+    for name in own:
+        if is_loopback(name):
+            continue
+        host = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
+        status, _, body = ask(url, "GET", "/", [host], auth)
+        assert status == (200 if exposed else 421), (host, status, body)
+
+
+def own_addresses() -> list[str]:
+    import psutil
+
+    return [a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)]  # fmt: skip
+
+
+def test_a_request_names_its_host_once(page: tuple[str, bool]) -> None:
+    url, exposed = page
+    auth: Headers = {"Authorization": f"Bearer {KEY}"} if exposed else {}
+    for hosts in ([], ["127.0.0.1", "127.0.0.1"], ["127.0.0.1", "attacker.example"]):
+        status, _, body = ask(url, "GET", "/", hosts, auth)
+        assert status == 400 and b"Host" in body and b"b70-token" not in body, (hosts, body)
+    status, _, body = ask(url, "GET", "http://[x/", ["127.0.0.1"], auth)  # not a path
+    assert status == 400 and b"not a path" in body, body
+
+
+def test_a_switch_comes_from_the_origin_of_the_host_it_names(page: tuple[str, bool]) -> None:
+    url, exposed = page
+    token, port = token_of(url, exposed), port_of(url)
+    auth: Headers = {"Authorization": f"Bearer {KEY}"} if exposed else {}
+    post = {**auth, "X-B70-Token": token, "Content-Type": "application/json"}
+    body = b'{"runtime": "zz"}'
+    for host, origin in [(f"localhost:{port}", f"http://localhost:{port}"),
+                         (f"LOCALHOST:{port}", f"http://localhost:{port}"),
+                         ("localhost", "http://localhost"),
+                         (f"[::1]:{port}", f"http://[::1]:{port}"),
+                         (f"127.0.0.1:{port}", None)]:  # fmt: skip
+        headers = post if origin is None else {**post, "Origin": origin}
+        status, _, out = ask(url, "POST", "/api/switch", [host], headers, body)
+        assert status == 400 and b"no runtime named 'zz'" in out, (host, origin, status, out)
+    for host, origin in [(f"localhost:{port}", f"http://127.0.0.1:{port}"),
+                         (f"localhost:{port}", "http://localhost"),
+                         (f"localhost:{port}", f"https://localhost:{port}"),
+                         (f"localhost:{port}", f"http://localhost:{port}/"),
+                         (f"localhost:{port}", f"http://attacker.example:{port}"),
+                         (f"localhost:{port}", "null"),
+                         (f"localhost:{port}", f"http://user@localhost:{port}")]:  # fmt: skip
+        status, _, out = ask(url, "POST", "/api/switch", [host], {**post, "Origin": origin}, body)
+        assert status == 403 and b"a request from" in out, (host, origin, status, out)
+
+
+# --- secrets are compared as bytes: any text is a mismatch, never an error ------------------------
+
+
+def test_a_key_cookie_or_token_of_any_text_is_refused_cleanly(page: tuple[str, bool]) -> None:
+    url, exposed = page
+    host = [f"127.0.0.1:{port_of(url)}"]
+    others = ["é".encode(), b"\xff\xfe", "k\u20ac".encode()]
+    if exposed:
+        for wrong in others:
+            status, answer, _ = ask(url, "GET", "/", host, {"Authorization": b"Bearer " + wrong})
+            assert status == 401, (wrong, status)
+        # A quoted cookie's octal escapes make any character of its value.
+        for cookie in ['b70_key="\\351"', 'b70_key="\\377\\376"', "b70_key=\u00e9"]:
+            status, answer, _ = ask(url, "GET", "/", host, {"Cookie": cookie})
+            assert status == 401 and "Set-Cookie" not in answer, (cookie, status)
+        for query in ("%C3%A9", "%FF", "%ED%A0%80", "%E2%82%AC"):
+            status, answer, _ = ask(url, "GET", f"/?key={query}", host)
+            assert status == 401 and "Set-Cookie" not in answer, (query, status)
+    auth: Headers = {"Authorization": f"Bearer {KEY}"} if exposed else {}
+    for wrong in others:
+        headers = {**auth, "X-B70-Token": wrong, "Content-Type": "application/json"}
+        status, _, body = ask(url, "POST", "/api/switch", host, headers, b'{"runtime": "a"}')
+        assert status == 403 and b"token" in body, (wrong, status, body)
+
+
+def test_the_holds_token_of_any_text_is_a_mismatch(tmp_path: Path) -> None:
+    """The proxy's gate compares a request's hold token with the switch's as bytes: a token in
+    any text (a header is latin-1; JSON can carry a lone surrogate) is another switch's."""
+    import asyncio
+
+    from appliance.proxy import hold, waiting
+
+    async def healthy() -> bool:
+        return True
+
+    gate = waiting.Gate(tmp_path, healthy, 1.0)
+    with hold.marked(tmp_path, "b") as mark:
+        for wrong in ("é", "\u00ff" * 32, "\ud800", mark.token + "\u20ac"):
+            assert gate.admits(wrong, mark) is False
+            assert asyncio.run(gate.blocked(wrong)) == "switching to b"
+        assert gate.admits(mark.token, mark) is True
+        assert asyncio.run(gate.blocked(mark.token)) is None
 
 
 def test_the_ring_keeps_the_last_hour_and_drops_the_rest_in_one_rewrite(tmp_path: Path) -> None:
