@@ -213,8 +213,9 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         # No reuse of connections to the runtime (0: a pooled connection is always too old).
         # Writing a request onto a keep-alive connection the runtime is closing fails it with
-        # "Connection error" (RECIPES.md 7); a 3 s limit, under the runtimes' 5 s, still let one
-        # through in 155 requests at 16 streams. A loopback connect per request costs nothing.
+        # "Connection error" (seen here at 16 concurrent streams); a 3 s limit, under the
+        # runtimes' 5 s, still let one through in 155 requests at 16 streams. A loopback
+        # connect per request costs nothing.
         "AIOHTTP_KEEPALIVE_TIMEOUT": "0",
         # For the request hold (appliance.proxy.hook): the switch's mark, the runtimes' addresses
         # (one per port, space-separated), the time.

@@ -100,7 +100,7 @@ def switch(
     gate: bool = False,
     drain_s: float | None = None,
 ) -> SwitchResult:
-    """The switch of DESIGN.md, numbered as there:
+    """The switch, in the steps docs/switch.md numbers:
 
     1. lock; 2. preflight; 3. hold new requests at the proxy; 4. drain the old runtime;
     5. one StartUnit (Conflicts= stops the old one); 6. verify through the proxy (and gate);

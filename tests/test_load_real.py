@@ -45,7 +45,7 @@ def test_eight_clients_four_switches_no_failed_request_no_truncated_stream(
 
 
 def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Appliance) -> None:
-    """RECIPES.md 7: plain LiteLLM in front of llama-server failed now and then at 16 concurrent
+    """Plain LiteLLM 1.106 in front of llama-server failed now and then at 16 concurrent
     streams, reusing a connection the runtime had closed. Here it must not."""
     lt = load_test_module()
     target = load_target(lt, appliance)

@@ -67,7 +67,7 @@ class Backend:
     def client(self) -> httpx.AsyncClient:
         if self._client is None:  # created inside the proxy's event loop
             # A new connection for each question: a kept one may be closed by the runtime
-            # just as it is used (RECIPES.md 7), and a loopback connect costs nothing.
+            # just as it is used, and a loopback connect costs nothing.
             no_reuse = httpx.Limits(max_keepalive_connections=0)
             self._client = client_for(
                 self.url, base_url=self.url, timeout=BACKEND_TIMEOUT_S, transport=self.transport,

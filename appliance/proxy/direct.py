@@ -7,7 +7,7 @@ choose. Its pass-through route
 (authentication again, the router, a logging object, a task in a thread pool); a burst of 64
 requests waits for that work on each worker's event loop. Here the door sends the checked body
 itself, over a new loopback connection (a kept one may be closed by the runtime just as it is
-used, RECIPES.md 7), written in the same step as the door's checks (`open_with`), and relays
+used), written in the same step as the door's checks (`open_with`), and relays
 the runtime's own bytes: what the pass-through route relays.
 
 The runtime receives the body as the door checked it, under the model name the router resolves
