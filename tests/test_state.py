@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import edges, errors, files, monitor, state
-from appliance.layout import KILLED_FILE, LAST_SWITCH, NOTE_FILE
+from appliance import edges, errors, files, monitor, plans, state
+from appliance.layout import KILLED_FILE, LAST_SWITCH, NOTE_FILE, Scope
 from appliance.plans import Memory
 from appliance.proxy import hold
 from tests.conftest import tree_snapshot
@@ -132,3 +132,40 @@ def test_a_killed_install_leaves_nothing_to_recover(tmp_path: Path) -> None:
     with state.switch_lock(tmp_path, "vllm") as lock:
         assert lock.stale is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["switch.lock"]
+
+
+class Restarts:
+    """What the monitor asks of systemd here: only RestartUnit, recorded."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.scope = Scope.USER
+        self.restarted: list[str] = []
+        self.state_dir = state_dir
+
+    def restart(self, unit: str) -> None:
+        self.restarted.append(unit)
+
+
+def test_the_monitor_restarts_a_runtime_only_under_the_switch_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A switch that began while the monitor probed (for up to its probe timeouts) may be
+    draining the very runtime the monitor judged hung: the restart is left to the switch."""
+    from appliance.config import parse
+    from tests.conftest import REPO
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    state_dir = tmp_path / "b70"
+    cfg = parse((REPO / "examples" / "demo.toml").read_text(), REPO / "examples" / "demo.toml")
+    sd = Restarts(state_dir)
+    log: list[str] = []
+    action = plans.Action("restart", "llamacpp", "no answer to 3 probes")
+    with state.switch_lock(state_dir, "vllm"):
+        monitor.act(cfg, Scope.USER, sd, action, Memory(), log.append)  # type: ignore[arg-type]
+    assert sd.restarted == []
+    assert log[-1] == "restart of llamacpp failed: a switch began meanwhile; llamacpp is left to it"
+    with hold.marked(state_dir, "vllm"):  # the lock free, but a switch's hold still marked
+        monitor.act(cfg, Scope.USER, sd, action, Memory(), log.append)  # type: ignore[arg-type]
+    assert sd.restarted == []
+    monitor.act(cfg, Scope.USER, sd, action, Memory(), log.append)  # type: ignore[arg-type]
+    assert sd.restarted == ["b70-llamacpp.service"]
