@@ -63,13 +63,13 @@ class Ready:
         self.asked: list[float] = []
         self.tokens: list[str | None] = []
 
-    async def __call__(self, limit_s: float, token: str | None) -> float | None:
+    async def __call__(self, limit_s: float, token: str | None) -> float:
         self.asked.append(limit_s)
         self.tokens.append(token)
         waited = self.waits.pop(0) if self.waits else 0.0
         if waited is None:
             self.clock.now += limit_s
-            return None
+            raise waiting.HoldTimeout("the backend is not healthy", limit_s, 15)
         self.clock.now += waited
         return waited
 

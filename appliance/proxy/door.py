@@ -63,7 +63,6 @@ from appliance.proxy.relay import (
     relay,
     replay,
     resend,
-    runtime_gone,
 )
 from appliance.proxy.waiting import HoldTimeout
 
@@ -285,8 +284,10 @@ class Door:
                 # The runtime stopped serving: held, like a request that finds it down; if it
                 # does not serve again within the request's hold time, that is the answer.
                 left = max(0.0, self.hold_s - (self.clock() - arrived))
-                if await self.wait_ready(left, token) is None:
-                    await runtime_gone(self.clock() - arrived, self.hold_s).send(send)
+                try:
+                    await self.wait_ready(left, token)
+                except HoldTimeout as e:
+                    await hold_timeout(e).send(send)
                     return None
         elif await relay(self.app, scope, route[0], replay(checked.body, receive), send):
             return None

@@ -160,16 +160,13 @@ class HoldHook(routing.Routing, CustomLogger):
 PROVIDER_ERROR = "Hosted_vllmException"  # LiteLLM's name for errors of the hosted_vllm route
 
 
-async def wait_ready(limit_s: float, token: str | None) -> float | None:
+async def wait_ready(limit_s: float, token: str | None) -> float:
     """For the door: hold a request whose runtime died until it serves again (or `limit_s`).
     `token`: the request's hold token; a switch's own verification passes its own hold."""
     gate = hold.gate_for(_asked())
     gate.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
-    try:
-        peer = routing.peer_limit()
-        return await gate.wait(token, limit_s=limit_s if peer is None else peer)
-    except HoldTimeout:
-        return None
+    peer = routing.peer_limit()
+    return await gate.wait(token, limit_s=limit_s if peer is None else peer)  # or HoldTimeout
 
 
 async def hold_request(token: str | None) -> float:

@@ -31,10 +31,12 @@ from typing import Any
 from appliance.proxy.asgi import ASGIApp, Message, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION
 from appliance.proxy.checks import Refusal
+from appliance.proxy.waiting import HoldTimeout
 
-# Waits until the runtime serves again, at most the seconds given; the seconds waited, or None.
-# The token is the request's hold token (a switch's own request passes the switch's hold).
-WaitReady = Callable[[float, str | None], Awaitable[float | None]]
+# Waits until the runtime serves again, at most the seconds given: the seconds waited; raises
+# HoldTimeout, with why it held, when they run out. The token is the request's hold token (a
+# switch's own request passes the switch's hold).
+WaitReady = Callable[[float, str | None], Awaitable[float]]
 
 # The pass-through's endpoint is joined to the deployment's api_base, which ends in /v1.
 PASS_THROUGH = {CHAT: "/vllm/chat/completions", COMPLETION: "/vllm/completions"}
@@ -199,8 +201,9 @@ async def resend(
             await held.release()
             return
         assert wait_ready is not None
-        waited = await wait_ready(left, token)
-        if waited is None:
+        try:
+            waited = await wait_ready(left, token)
+        except HoldTimeout:
             await runtime_gone(clock() - arrived, hold_s).send(send)
             return
         log(
