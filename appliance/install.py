@@ -350,7 +350,10 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> UninstallResult:
         for unit in loaded:
             wait_stopped(sd, unit, 300)
         sd.disable([u for u in loaded if lay.destination(u).exists()])
-        for name in [*units, PROXY_CONFIG]:
+        # The system users stay (as a removed Debian package leaves its users); the file that
+        # makes them at each boot goes.
+        made = [SYSUSERS] if lay.scope is Scope.SYSTEM else []
+        for name in [*units, PROXY_CONFIG, *made]:
             path = lay.destination(name)
             if path.exists():
                 path.unlink()

@@ -117,6 +117,7 @@ def exec_start(config: Config, runtime: RuntimeConfig, sel: Selection | None = N
         argv += ["--volume", volume]
     for key in sorted({*runtime.env, *(sel.env if sel else ())}):
         argv += ["--env", key]  # the value comes from the unit's Environment=
+    argv += runtime.container_options
     argv.append(runtime.image or "")
     return argv + engine_argv(config, runtime, sel)
 

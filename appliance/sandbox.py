@@ -280,11 +280,11 @@ def podman(config: Config) -> bool:
 
 
 def _podman_storage(lay: Layout) -> list[Directive]:
-    """podman locks its storage even to inspect an image (not run here: no podman engine)."""
-    if lay.scope is Scope.SYSTEM:
-        paths = "-/var/lib/containers -/run/containers -/run/libpod"
-    else:
-        paths = "-%h/.local/share/containers -%t/containers -%t/libpod"
+    """podman locks its storage even to inspect an image: root's storage, and in a user manager
+    also the user's own (a user manager of root's, as the tests run, uses root's)."""
+    paths = "-/var/lib/containers -/run/containers -/run/libpod"
+    if lay.scope is Scope.USER:
+        paths = "-%h/.local/share/containers -%t/containers -%t/libpod " + paths
     return [
         Directive(
             "ReadWritePaths",

@@ -113,7 +113,9 @@ def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> st
         return None
     pids = [states[rt.unit].main_pid or 0 for rt in running]
     for port in sorted({rt.port for rt in config.runtimes.values()}):
-        found = processes.foreign_listeners(port, pids)
+        # A socket of another user's (pid None) cannot be told from the runtime's own by an
+        # account that is not root, which sees only its own processes' sockets: not named.
+        found = [f for f in processes.foreign_listeners(port, pids) if f.pid is not None]
         if found:
             described = processes.describe(found)
             return f"port {port} is held by {described}, which is not part of the appliance"

@@ -37,3 +37,16 @@ cache_build() {
     touch "$final.partial/.complete"
     mv "$final.partial" "$final"
 }
+
+# install_debian_packages PKG...: those of them not installed yet, from Debian's registry (root).
+install_debian_packages() {
+    local pkg need=()
+    for pkg in "$@"; do
+        dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || need+=("$pkg")
+    done
+    [ ${#need[@]} -gt 0 ] || return 0
+    [ "$(id -u)" -eq 0 ] || die "missing Debian packages: ${need[*]}; run: sudo apt-get install ${need[*]}"
+    say "installing ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+}

@@ -345,3 +345,54 @@ PEERS = [
     ),
 ]
 BAD += REACH + PEERS
+PODMAN = 'engine = "vllm"\nlauncher = "podman"\nimage = "localhost/vllm:1"'
+CONTAINER_OPTIONS = [
+    (
+        "container options on a native runtime",
+        GOOD.replace('["/usr/bin/true"]', '["/usr/bin/true"]\ncontainer_options = ["--init"]'),
+        "runtimes.llamacpp.container_options: only container launchers take container options",
+    ),
+    (
+        "container options that name the container",
+        GOOD.replace(
+            'engine = "vllm"', PODMAN + '\ncontainer_options = ["--init", "--name=other"]'
+        ),
+        "runtimes.vllm.container_options[1]: may not set --name: the appliance names the "
+        "container b70-NAME",
+    ),
+    (
+        "a container option that detaches",
+        GOOD.replace('engine = "vllm"', PODMAN + '\ncontainer_options = ["-dit"]'),
+        "runtimes.vllm.container_options[0]: may not set -d: the unit runs the container in "
+        "the foreground",
+    ),
+    (
+        "a volume among the container options",
+        GOOD.replace('engine = "vllm"', PODMAN + '\ncontainer_options = ["--volume", "/srv:/srv"]'),
+        "runtimes.vllm.container_options[0]: may not set --volume: use runtimes.NAME.volumes",
+    ),
+    (
+        "a container option that is an image",
+        GOOD.replace('engine = "vllm"', PODMAN + '\ncontainer_options = ["runc"]'),
+        "runtimes.vllm.container_options[0]: 'runc' is neither an option nor the value of one",
+    ),
+    (
+        "a word after an option with its value",
+        GOOD.replace(
+            'engine = "vllm"',
+            PODMAN + '\ncontainer_options = ["--ulimit=nofile=1024:1024", "other/image"]',
+        ),
+        "runtimes.vllm.container_options[1]: 'other/image' is neither an option nor the value",
+    ),
+    (
+        "container options that are not a list",
+        GOOD.replace('engine = "vllm"', PODMAN + '\ncontainer_options = "--runtime runc"'),
+        "runtimes.vllm.container_options: must be a list of strings",
+    ),
+    (
+        "an empty container option",
+        GOOD.replace('engine = "vllm"', PODMAN + '\ncontainer_options = ["--init", " "]'),
+        "runtimes.vllm.container_options[1]: must not be empty",
+    ),
+]
+BAD += CONTAINER_OPTIONS

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from appliance import config
+from appliance import config, runtimes
 from appliance.layout import UNIT_SUFFIXES, Scope, layout
 from appliance.render import quote_exec_arg, render_all, render_exec
 from tests.conftest import REPO
@@ -129,6 +130,39 @@ def test_the_port_gate_binds_where_the_runtime_will() -> None:
     v6 = config.parse(THREE + '[backend]\nhost = "::1"\n', Path("t.toml"))
     gate = unit_lines(render_all(v6, layout(Scope.SYSTEM))["b70-a.service"], "ExecStartPre")
     assert gate[-1].startswith("/opt/b70/bin/b70ctl unit pre --port 8001 --host ::1 --device ")
+
+
+@pytest.mark.parametrize("launcher", ["docker", "podman"])
+def test_container_options_come_after_the_appliances_own_and_before_the_image(
+    launcher: str, tmp_path: Path
+) -> None:
+    """`container_options` reach `docker run` / `podman run` word for word, quoted for systemd,
+    between the appliance's own options and the image; the engine's arguments follow the image."""
+    options = ["--runtime", "runc", "--ulimit", "nofile=1024:1024", "--label", "note=100% sure"]
+    text = THREE.replace('launcher = "podman"', f'launcher = "{launcher}"').replace(
+        'image = "localhost/vllm:1"',
+        'image = "localhost/vllm:1"\nvolumes = ["/srv/m:/m:ro"]\ncontainer_options = '
+        + json.dumps(options),
+    )
+    cfg = config.parse(text, Path("t.toml"))
+    argv = runtimes.exec_start(cfg, cfg.runtimes["b"])
+    image = argv.index("localhost/vllm:1")
+    assert argv[image - len(options) : image] == options
+    assert argv[: image - len(options)][-2:] == ["--volume", "/srv/m:/m:ro"]
+    assert argv[image + 1 : image + 3] == ["--model", "/m"]
+    files = render_all(cfg, layout(Scope.SYSTEM))
+    start = unit_lines(files["b70-b.service"], "ExecStart")
+    assert start == [render_exec(argv)]
+    assert '--label "note=100%% sure" localhost/vllm:1 --model /m ' in start[0]
+    # Only the run takes them: the unit stops and removes the container by its name alone.
+    assert unit_lines(files["b70-b.service"], "ExecStopPost") == [
+        f"/usr/bin/{launcher} rm --force b70-b"
+    ]
+    assert "--ulimit" not in files["b70-a.service"] + files["b70-c.service"]
+    root = verify_root(tmp_path, files)
+    (root / "usr/bin/podman").write_text("#!/bin/sh\n")  # a stub, as for docker
+    (root / "usr/bin/podman").chmod(0o755)
+    assert analyze_verify(root, ["b70-b.service"]) == ""
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,23 @@ DEFAULT_COMMAND: dict[Engine, tuple[str, ...]] = {
     Engine.LLAMACPP: ("llama-server",),
     Engine.VLLM: ("vllm", "serve"),
 }
+# Options of `docker run` / `podman run` that the appliance sets itself, or that a runtime's own
+# key sets: a runtime's `container_options` may not set them (value: where it is set instead).
+RESERVED_CONTAINER_OPTIONS: dict[str, str] = {
+    "--name": "the appliance names the container b70-NAME",
+    "--rm": "the appliance removes the container when it ends",
+    "-d": "the unit runs the container in the foreground",
+    "--detach": "the unit runs the container in the foreground",
+    "--network": "runtimes share the host's network (on [backend] host and port)",
+    "--net": "runtimes share the host's network (on [backend] host and port)",
+    "--stop-timeout": "it comes from runtimes.NAME.stop_timeout_s",
+    "--device": "use runtimes.NAME.devices",
+    "-v": "use runtimes.NAME.volumes",
+    "--volume": "use runtimes.NAME.volumes",
+    "--shm-size": "use runtimes.NAME.shm_size",
+    "-e": "use [runtimes.NAME.env]",
+    "--env": "use [runtimes.NAME.env]",
+}
 # The environment through which a runtime on named cards is told them (appliance.placement).
 PCI_ORDER_ENV = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
 VLLM_MASK_ENV = "ZE_AFFINITY_MASK"
@@ -127,6 +144,8 @@ class RuntimeConfig:
     devices: tuple[str, ...] = ()
     volumes: tuple[str, ...] = ()
     shm_size: str | None = None
+    # More options of `docker run` / `podman run`, after the appliance's own, before the image
+    container_options: tuple[str, ...] = ()
     user: str | None = None  # system scope: run as this user, with the render group and CAP_PERFMON
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0

@@ -15,6 +15,7 @@ from appliance.config.cards import CardKeys
 from appliance.config.model import (
     DEFAULT_COMMAND,
     DEFAULT_START_TIMEOUT_S,
+    RESERVED_CONTAINER_OPTIONS,
     RESERVED_FLAGS,
     BackendConfig,
     Config,
@@ -114,7 +115,7 @@ def _refuse_control_characters(path: Path, data: object, key: str = "") -> None:
 
 RUNTIME_KEYS = {
     *("engine", "launcher", "model", "command", "image", "mmproj", "env", "args"),
-    *("devices", "volumes", "shm_size", "user"),
+    *("devices", "volumes", "shm_size", "container_options", "user"),
     *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib", "cards"),
     *("port", "served_model_name", "per_card"),
 }
@@ -348,6 +349,7 @@ class _Reader(CardKeys, ServingKeys):
             cards=self.runtime_cards(t, p, gpu, engine, launcher, args, devices, env_table),
             volumes=self.paths(t, "volumes", p, "/srv/models:/models:ro"),
             shm_size=self.get(t, "shm_size", p, str, "", check_size) or None,
+            container_options=self.container_options(t, p, launcher),
             user=self.get(t, "user", p, str, "", check_user_name) or None,
             start_timeout_s=self.get(
                 t, "start_timeout_s", p, float, start_default, check_range(1, DAY_S)
@@ -373,6 +375,37 @@ class _Reader(CardKeys, ServingKeys):
                     "from runtimes.NAME.model",
                 )
         return args
+
+    def container_options(
+        self, t: Mapping[str, Any], p: str, launcher: Launcher
+    ) -> tuple[str, ...]:
+        """More `docker run` / `podman run` options, such as `--runtime runc` or `--ulimit
+        nofile=1024:1024`: words of the command line before the image. Each is an option or the
+        value right after one (else it would be read as the image); none may set what the
+        appliance sets, or what a key of the runtime sets."""
+        key = p + "container_options"
+        options = self.strings(t, "container_options", p)
+        if options and launcher is Launcher.NATIVE:
+            raise self.fail(key, "only container launchers take container options")
+        for i, option in enumerate(options):
+            if not option.strip():
+                raise self.fail(f"{key}[{i}]", "must not be empty")
+            if not option.startswith("-"):
+                before = options[i - 1] if i else ""
+                if before.startswith("-") and "=" not in before:
+                    continue  # the value of the option before it
+                raise self.fail(
+                    f"{key}[{i}]",
+                    f"{option!r} is neither an option nor the value of one: the {launcher} "
+                    "command would read it as the image",
+                    'e.g. container_options = ["--ulimit", "nofile=1024:1024"]',
+                )
+            flag = option.split("=", 1)[0] if option.startswith("--") else option[:2]
+            if flag in RESERVED_CONTAINER_OPTIONS:
+                raise self.fail(
+                    f"{key}[{i}]", f"may not set {flag}: {RESERVED_CONTAINER_OPTIONS[flag]}"
+                )
+        return options
 
     def runtime_env(self, t: Mapping[str, Any], p: str) -> Mapping[str, Any]:
         env_table = self.table(t, "env", p)

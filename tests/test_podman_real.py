@@ -1,0 +1,344 @@
+"""podman for real: a llama.cpp runtime in a container beside a native one, under a real user
+manager, on a fixture B70 (the units' memory gates read it).
+
+The image is built here by scripts/fetch-runtime-image (a minbase Debian 12 tree and the cached
+llama-server build; nothing comes from a registry). The container runs with the host's network,
+the GGUF bound read-only at its own path, and `container_options` for what this host needs of
+podman: the runc runtime (crun does not run on a cgroup v1 or hybrid host) and limits no higher
+than the host's hard ones (podman's defaults ask for more, and the OCI runtime's setrlimit fails).
+Every container a test starts is gone when it ends, pass or fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from appliance import health, processes
+from b70tools import gpu_trees
+from b70tools.net import free_port
+from tests.conftest import (
+    CACHE,
+    GGUF,
+    LLAMA_SERVER,
+    Appliance,
+    appliance_on_cards,
+    live_pid,
+    llamacpp_counter,
+)
+from tests.test_faults_real import Clients
+
+IMAGE_STAMP = CACHE / "runtime-image"  # scripts/fetch-runtime-image: "REFERENCE ID"
+INSIDE = "/opt/llama.cpp/llama-server"  # where the image has llama-server
+PODMAN = shutil.which("podman") or "/usr/bin/podman"
+# podman's container names are the machine's: another run of the suite beside this one must not
+# meet this one's container.
+CTR = f"pod-{os.getpid()}"
+UNIT = f"b70-{CTR}.service"
+CONTAINER = f"b70-{CTR}"
+LIMIT = 4096  # open files and processes of the container
+GATE_WAIT_S = 5  # [gpu] release_timeout_s: how long the memory gate waits before it gives up
+
+
+def runtime_image() -> str:
+    try:
+        ref = IMAGE_STAMP.read_text().split()[0]
+    except (OSError, IndexError):
+        pytest.fail(f"no runtime image: {IMAGE_STAMP} is missing; run scripts/fetch-runtime-image")
+    if podman("image", "exists", ref).returncode != 0:
+        pytest.fail(f"{ref} is not in podman's storage; run scripts/fetch-runtime-image")
+    return ref
+
+
+def limit(which: int) -> int:
+    """A limit the container's llama-server has room in, never above this process's hard limit
+    (podman's own defaults are above it on some hosts, and its limits for conmon lower still)."""
+    hard = resource.getrlimit(which)[1]
+    return LIMIT if hard == resource.RLIM_INFINITY else min(hard, LIMIT)
+
+
+def container_options() -> list[str]:
+    nofile, nproc = limit(resource.RLIMIT_NOFILE), limit(resource.RLIMIT_NPROC)
+    limits = [f"nofile={nofile}:{nofile}", f"nproc={nproc}:{nproc}"]
+    return ["--runtime", "runc", "--ulimit", limits[0], "--ulimit", limits[1]]
+
+
+def config_text(image: str, proxy_port: int, backend_port: int) -> str:
+    return f"""
+default_runtime = "llamacpp"
+podman = "{PODMAN}"
+
+[proxy]
+port = {proxy_port}
+model = "smollm2"
+
+[backend]
+port = {backend_port}
+
+[monitor]
+port = {free_port()}
+probe_completion = false
+
+[gpu]
+memory_needed_gib = 2
+release_timeout_s = {GATE_WAIT_S}
+
+[runtimes.llamacpp]
+engine = "llamacpp"
+command = ["{LLAMA_SERVER}"]
+model = "{GGUF}"
+args = ["-c", "1024"]
+memory_needed_gib = 0
+
+[runtimes.{CTR}]
+engine = "llamacpp"
+launcher = "podman"
+image = "{image}"
+model = "{GGUF}"
+volumes = ["{GGUF.parent}:{GGUF.parent}:ro"]
+container_options = {json.dumps(container_options())}
+args = ["-c", "1024"]
+stop_timeout_s = 10
+"""
+
+
+def podman(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PODMAN, *args], capture_output=True, text=True, timeout=120)
+
+
+def containers() -> dict[str, str]:
+    """This module's container, if podman has it in any state: name -> state."""
+    out = podman("ps", "--all", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    found = {name: c["State"] for c in json.loads(out.stdout or "[]") for name in c["Names"]}
+    return {name: state for name, state in found.items() if name == CONTAINER}
+
+
+def container_pid() -> int | None:
+    return processes.container_pid(PODMAN, CONTAINER)
+
+
+@pytest.fixture(scope="module")
+def podman_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
+    image = runtime_image()
+    root = tmp_path_factory.mktemp("podman")
+    try:
+        with appliance_on_cards(
+            root, [gpu_trees.B70], lambda proxy, backend: config_text(image, proxy, backend)
+        ) as app:
+            yield app
+    finally:
+        left = containers()
+        podman("rm", "--force", "--time", "0", CONTAINER)
+        assert not left, f"uninstall left a container behind: {left}"
+
+
+def unit_state(app: Appliance, unit: str) -> tuple[str, str]:
+    shown = app.manager.systemctl("show", "-p", "ActiveState,SubState", unit)
+    state = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+    return state.get("ActiveState", ""), state.get("SubState", "")
+
+
+def hard_limit(pid: int, name: str) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith(name):
+            return int(line[len(name) :].split()[1])
+    raise AssertionError(f"no {name!r} in /proc/{pid}/limits")
+
+
+def test_the_container_serves_the_model_through_the_proxy(podman_app: Appliance) -> None:
+    app = podman_app
+    app.b70ctl("switch", "llamacpp", check=True)
+    prompt = "What is the capital of France? Answer in one word."
+    native = app.ask(prompt)
+    app.b70ctl("switch", CTR, check=True)
+    pid = container_pid()
+    assert pid, "podman knows no process of the container"
+    # llama-server of the image, in the container's own file system
+    assert os.readlink(f"/proc/{pid}/exe") == INSIDE
+    assert os.stat(f"/proc/{pid}/root").st_ino != os.stat("/").st_ino
+    # The backend port is the container's, and its /health answers through it.
+    assert pid in {listener.pid for listener in processes.listeners(app.backend_port)}
+    answer = health.request("GET", f"http://127.0.0.1:{app.backend_port}/health", 5)
+    assert answer.status == 200, answer.text
+    # The model is bound read-only; the options reached the container (its runtime, its limits).
+    mounts = json.loads(podman("inspect", "--format", "{{json .Mounts}}", CONTAINER).stdout)
+    model = [m for m in mounts if m["Destination"] == str(GGUF.parent)]
+    assert model and model[0]["RW"] is False, mounts
+    assert podman("inspect", "--format", "{{.OCIRuntime}}", CONTAINER).stdout.strip() == "runc"
+    assert hard_limit(pid, "Max open files") == limit(resource.RLIMIT_NOFILE)
+    # A completion through the proxy, with the OpenAI SDK, is generated in the container: its
+    # own counter grows by the tokens of the answer. Same binary, model and greedy sampling as
+    # the native runtime: the same answer.
+    before = llamacpp_counter(app.backend_port, "tokens_predicted_total")
+    reply = app.client().chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=12,
+        timeout=120,
+    )
+    text = reply.choices[0].message.content or ""
+    assert text.strip() and text == native
+    assert reply.usage is not None and reply.usage.completion_tokens > 0
+    grown = llamacpp_counter(app.backend_port, "tokens_predicted_total") - before
+    assert grown >= reply.usage.completion_tokens
+    log = app.b70ctl("logs", CTR, "-n", "5000").stdout  # llama-server says a lot
+    assert f"answers from pid {live_pid(app, UNIT)}" in log  # the unit's health gate
+
+
+def test_a_switch_to_the_container_and_away_leaves_no_container(podman_app: Appliance) -> None:
+    app = podman_app
+    app.b70ctl("switch", CTR, check=True)
+    status = app.json("status")["result"]
+    assert status["active_runtime"] == CTR
+    assert containers() == {CONTAINER: "running"}
+    app.b70ctl("switch", "llamacpp", check=True)
+    assert containers() == {}
+    assert unit_state(app, UNIT)[0] == "inactive"
+    assert app.json("status")["result"]["active_runtime"] == "llamacpp"
+    assert app.ask().strip()
+    # Once more: a container left behind under its name would make this start fail.
+    app.b70ctl("switch", CTR, check=True)
+    assert containers() == {CONTAINER: "running"}
+    app.b70ctl("switch", "llamacpp", check=True)
+    assert containers() == {}
+
+
+def test_the_container_killed_under_load_loses_no_request(podman_app: Appliance) -> None:
+    """SIGKILL of llama-server in the container while 4 clients send requests: `podman run`
+    ends, systemd starts the unit again (a new container of the same name). Requests in flight
+    are held at the proxy and sent again; none fails."""
+    app = podman_app
+    app.b70ctl("switch", CTR, check=True)
+    restarts = int(app.manager.systemctl("show", "-p", "NRestarts", "--value", UNIT).strip())
+    killed = 0
+    with Clients(app, 4) as clients:
+        time.sleep(4)
+        killed = container_pid() or 0
+        assert killed > 1
+        killed_at = time.monotonic()
+        os.kill(killed, signal.SIGKILL)
+        clients.answered_after(killed_at + 1, 180)
+        time.sleep(3)
+    spanning = [ended - sent for sent, ended, kind in clients.outcomes if sent <= killed_at < ended]
+    print(
+        f"\ncontainer's llama-server SIGKILL under load: {len(clients.outcomes)} requests, "
+        f"{len(clients.failed())} failed; {len(spanning)} in flight at the kill, answered after "
+        f"{', '.join(f'{d:.1f}' for d in spanning)} s"
+    )
+    assert clients.failed() == []
+    assert spanning, "no request was in flight at the kill: the test proved nothing"
+    journal = app.b70ctl("logs", "proxy", "-n", "300").stdout
+    assert journal.count("sent again") >= 1, journal[-3000:]
+    again = int(app.manager.systemctl("show", "-p", "NRestarts", "--value", UNIT).strip())
+    assert again == restarts + 1
+    assert container_pid() not in (None, killed)
+    assert containers() == {CONTAINER: "running"}
+    app.b70ctl("switch", "llamacpp", check=True)
+    assert containers() == {}
+
+
+def test_the_memory_gate_refuses_the_container_and_the_native_runtime_serves_again(
+    podman_app: Appliance,
+) -> None:
+    """Between the switch's preflight and the container's start, a foreign process takes the
+    card's memory: the unit's own gate (ExecStartPre) waits, gives up, and the switch rolls back.
+    Here b70ctl reads the idle fixture card and the units a busy one."""
+    app = podman_app
+    app.b70ctl("switch", "llamacpp", check=True)
+    t = gpu_trees
+    busy_root = Path(tempfile.mkdtemp(prefix="test-sysroot-", dir=CACHE))  # not in /tmp
+    try:
+        busy = t.build(
+            busy_root,
+            [t.Card(t.B70, vram_used=31 * t.GIB + 700 * 1024**2)],
+            [t.foreign(resident="31 GiB")],
+        )
+        app.manager.systemctl("set-environment", f"B70_SYSROOT={busy}")
+        out = app.b70ctl("switch", CTR)
+    finally:
+        app.manager.systemctl("set-environment", f"B70_SYSROOT={app.manager.env['B70_SYSROOT']}")
+        shutil.rmtree(busy_root, ignore_errors=True)
+    assert out.returncode == 1, out.stderr
+    assert f"switch to {CTR} failed" in out.stderr
+    assert "rolled back: llamacpp is serving again" in out.stderr
+    log = app.b70ctl("logs", CTR, "-n", "100").stdout
+    assert (
+        f"GPU memory was not free within {GATE_WAIT_S} s: 0000:03:00.0: 0.3 GiB free of 32.0 GiB"
+        ", need 2.0 GiB; held by pid 5151 (python3 train.py --epochs 3) in session-3.scope"
+    ) in log, log[-3000:]
+    assert containers() == {}, "the container ran though its gate refused it"
+    assert app.json("status")["result"]["active_runtime"] == "llamacpp"
+    assert app.ask().strip()
+
+
+class PortTaker(threading.Thread):
+    """Takes the backend port the moment the native runtime lets go of it, and listens there
+    until the container's unit has left its ExecStartPre (its port gate refused it)."""
+
+    def __init__(self, app: Appliance) -> None:
+        super().__init__(daemon=True)
+        self.app = app
+        self.held_at: float | None = None
+        self.saw_gate = False
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 300
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                try:
+                    sock.bind(("127.0.0.1", self.app.backend_port))
+                    break
+                except OSError:
+                    time.sleep(0.001)
+            else:
+                return
+            sock.listen()
+            self.held_at = time.monotonic()
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                sub = unit_state(self.app, UNIT)[1]
+                if sub == "start-pre":
+                    self.saw_gate = True
+                elif self.saw_gate:
+                    return  # the gate has given up: the port is the rollback's
+                time.sleep(0.05)
+
+
+def test_the_port_gate_refuses_the_container_and_the_native_runtime_serves_again(
+    podman_app: Appliance,
+) -> None:
+    """The native runtime stops, and another process takes its port before the container
+    starts: the unit's gate (ExecStartPre) names it and refuses, no container runs, and the
+    switch rolls back to the native runtime once the port is free again."""
+    app = podman_app
+    app.b70ctl("switch", "llamacpp", check=True)
+    taker = PortTaker(app)
+    taker.start()
+    try:
+        out = app.b70ctl("switch", CTR)
+    finally:
+        taker.stop.set()
+        taker.join()
+    assert taker.held_at is not None and taker.saw_gate
+    assert out.returncode == 1, out.stderr
+    assert "rolled back: llamacpp is serving again" in out.stderr
+    log = app.b70ctl("logs", CTR, "-n", "100").stdout
+    assert f"port {app.backend_port} is in use by pid {os.getpid()}" in log, log[-3000:]
+    assert containers() == {}
+    assert app.json("status")["result"]["active_runtime"] == "llamacpp"
+    assert app.ask().strip()
