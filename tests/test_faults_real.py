@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -281,25 +282,36 @@ class Clients:
         return [(sent, kind) for sent, _, kind in self.outcomes if kind != "ok"]
 
 
-def test_the_runtime_killed_under_load_loses_no_request(appliance: Appliance) -> None:
-    """SIGKILL of llama-server while 6 clients send requests: systemd starts it again. Requests
-    it was answering die with it before a byte reached their clients, so the proxy's door holds
-    them until it serves again and sends them again; requests sent meanwhile are held."""
-    appliance.b70ctl("switch", "llamacpp", check=True)
-    with Clients(appliance, 6) as clients:
+def killed_under_load(app: Appliance, n: int, main_pid: Callable[[], int], what: str) -> int:
+    """SIGKILL of the runtime's process `main_pid()` while `n` clients send requests; every
+    request answered, and at least one was in flight at the kill. The pid killed."""
+    with Clients(app, n) as clients:
         time.sleep(4)
+        killed = main_pid()
+        assert killed > 1
         killed_at = time.monotonic()
-        os.kill(live_pid(appliance, "b70-llamacpp.service"), signal.SIGKILL)
-        clients.answered_after(killed_at + 1, 120)
+        os.kill(killed, signal.SIGKILL)
+        clients.answered_after(killed_at + 1, 180)
         time.sleep(3)
     spanning = [ended - sent for sent, ended, kind in clients.outcomes if sent <= killed_at < ended]
     print(
-        f"\nllama-server SIGKILL under load: {len(clients.outcomes)} requests, "
+        f"\n{what} SIGKILL under load: {len(clients.outcomes)} requests, "
         f"{len(clients.failed())} failed; {len(spanning)} were in flight at the kill, answered "
         f"after {', '.join(f'{d:.1f}' for d in spanning)} s"
     )
     assert clients.failed() == []
     assert spanning, "no request was in flight at the kill: the test proved nothing"
+    return killed
+
+
+def test_the_runtime_killed_under_load_loses_no_request(appliance: Appliance) -> None:
+    """SIGKILL of llama-server while 6 clients send requests: systemd starts it again. Requests
+    it was answering die with it before a byte reached their clients, so the proxy's door holds
+    them until it serves again and sends them again; requests sent meanwhile are held."""
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    killed_under_load(
+        appliance, 6, lambda: live_pid(appliance, "b70-llamacpp.service"), "llama-server"
+    )
     journal = appliance.b70ctl("logs", "proxy", "-n", "200").stdout
     # Sent again the full way after the fast way failed, or again after the full way failed.
     resent = journal.count("sent again")

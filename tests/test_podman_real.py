@@ -15,7 +15,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -38,7 +37,7 @@ from tests.conftest import (
     live_pid,
     llamacpp_counter,
 )
-from tests.test_faults_real import Clients
+from tests.test_faults_real import killed_under_load
 
 IMAGE_STAMP = CACHE / "runtime-image"  # scripts/fetch-runtime-image: "REFERENCE ID"
 INSIDE = "/opt/llama.cpp/llama-server"  # where the image has llama-server
@@ -224,23 +223,7 @@ def test_the_container_killed_under_load_loses_no_request(podman_app: Appliance)
     app = podman_app
     app.b70ctl("switch", CTR, check=True)
     restarts = int(app.manager.systemctl("show", "-p", "NRestarts", "--value", UNIT).strip())
-    killed = 0
-    with Clients(app, 4) as clients:
-        time.sleep(4)
-        killed = container_pid() or 0
-        assert killed > 1
-        killed_at = time.monotonic()
-        os.kill(killed, signal.SIGKILL)
-        clients.answered_after(killed_at + 1, 180)
-        time.sleep(3)
-    spanning = [ended - sent for sent, ended, kind in clients.outcomes if sent <= killed_at < ended]
-    print(
-        f"\ncontainer's llama-server SIGKILL under load: {len(clients.outcomes)} requests, "
-        f"{len(clients.failed())} failed; {len(spanning)} in flight at the kill, answered after "
-        f"{', '.join(f'{d:.1f}' for d in spanning)} s"
-    )
-    assert clients.failed() == []
-    assert spanning, "no request was in flight at the kill: the test proved nothing"
+    killed = killed_under_load(app, 4, lambda: container_pid() or 0, "the container's llama-server")
     journal = app.b70ctl("logs", "proxy", "-n", "300").stdout
     assert journal.count("sent again") >= 1, journal[-3000:]
     again = int(app.manager.systemctl("show", "-p", "NRestarts", "--value", UNIT).strip())
