@@ -30,7 +30,11 @@ def demo_text(
     text = text.replace("port = 8000", f"port = {proxy_port}")
     text = text.replace("port = 8001", f"port = {backend_port}")
     if "[monitor]" not in extra:  # a monitor of its own, beside any other appliance
-        text += f"\n[monitor]\nport = {free_port()}\n"
+        # free_port() knows nothing of the ports given here, which nothing may hold yet
+        monitor_port = free_port()
+        while monitor_port in (proxy_port, backend_port):
+            monitor_port = free_port()
+        text += f"\n[monitor]\nport = {monitor_port}\n"
     return text + extra
 
 

@@ -110,6 +110,10 @@ def until(done: Callable[[], bool], term: Terminal, timeout_s: float = 600) -> b
 
 
 def in_phase(app: Appliance, phase: str) -> Callable[[], bool]:
+    """The switch's note says `phase`; for "hold", its hold mark is written (the note moves on
+    to the drain within milliseconds, while the mark stays until the switch ends)."""
+    if phase == "hold":
+        return lambda: (state_dir(app) / "hold.json").exists()
     return lambda: lock_info(app).get("phase") == phase
 
 
