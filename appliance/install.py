@@ -378,8 +378,10 @@ def _purge(units: list[str], lay: Layout, result: UninstallResult) -> None:
     for unit in units:  # each unit's CacheDirectory= (compiled kernels, LiteLLM's)
         cache = lay.cache_root / cache_name(unit)
         if unit.endswith(".service") and cache.is_dir() and not cache.is_symlink():
+            failed = len(result.failed)
             shutil.rmtree(cache, onerror=lambda _f, p, e: result.failed.append(f"{p}: {e[1]}"))
-            result.removed.append(str(cache))
+            if len(result.failed) == failed:  # else the failures name what is left
+                result.removed.append(str(cache))
     if lay.key_file.exists():
         lay.key_file.unlink()
         result.removed.append(str(lay.key_file))

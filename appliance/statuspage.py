@@ -22,7 +22,6 @@ server never grants. Secrets are compared as bytes: any text is only a mismatch.
 from __future__ import annotations
 
 import functools
-import hmac
 import http.cookies
 import ipaddress
 import json
@@ -44,6 +43,7 @@ from appliance.config.values import WILDCARD_HOSTS, check_host
 from appliance.errors import ApplianceError
 from appliance.layout import Layout, Scope
 from appliance.proxy import hold
+from appliance.proxy.asgi import same_secret
 from appliance.state import read_history
 
 ASSETS = {"/": ("status.html", "text/html; charset=utf-8"),
@@ -59,14 +59,6 @@ COOKIE = "b70_key"
 HISTORY_SHOWN = 20
 JOURNAL_LINES = 15
 MAX_BODY = 4096
-
-
-def same_secret(given: str, secret: str) -> bool:
-    """Whether `given` is `secret`, in constant time, for any text (compared as UTF-8 bytes; a
-    lone surrogate too): a value that is not ASCII is a mismatch, not a TypeError."""
-    return hmac.compare_digest(
-        given.encode("utf-8", "surrogatepass"), secret.encode("utf-8", "surrogatepass")
-    )
 
 
 def parse_authority(text: str) -> tuple[str, int | None] | None:

@@ -46,7 +46,6 @@ appliance.proxy.hold.
 
 from __future__ import annotations
 
-import hmac
 import json
 import os
 import time
@@ -54,7 +53,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 from appliance.proxy import direct, hold
-from appliance.proxy.asgi import ASGIApp, Receive, Send, log
+from appliance.proxy.asgi import ASGIApp, Receive, Send, log, same_secret
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
 from appliance.proxy.checks import Refusal, check_request, parse_body
 from appliance.proxy.relay import (
@@ -124,7 +123,7 @@ def key_problem(authorization: str | None, expected: str) -> str | None:
             "no API key: send the appliance's key as 'Authorization: Bearer KEY' "
             "(it is LITELLM_MASTER_KEY in the appliance's proxy.env)"
         )
-    if not expected or not hmac.compare_digest(given.encode(), expected.encode()):
+    if not expected or not same_secret(given, expected):
         return "the API key is not the appliance's key"
     return None
 

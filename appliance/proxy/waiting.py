@@ -8,13 +8,12 @@ switch imports too; this module is the proxy's alone (it needs an event loop).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from appliance.proxy.asgi import log
+from appliance.proxy.asgi import log, same_secret
 from appliance.proxy.hold import TICKET, HeldCounts, Mark, OpenRequests, read_mark, write_counts
 
 POLL_S = 0.2
@@ -40,10 +39,7 @@ Probe = Callable[[], Awaitable[bool]]
 def is_switch_token(token: str | None, mark: Mark) -> bool:
     """Whether a request's hold token is the switch's own, in constant time and for any text
     (compared as UTF-8 bytes, a lone surrogate too): another text is only a mismatch."""
-    if not token:
-        return False
-    given = token.encode("utf-8", "surrogatepass")
-    return hmac.compare_digest(given, mark.token.encode("utf-8", "surrogatepass"))
+    return token is not None and token != "" and same_secret(token, mark.token)
 
 
 class Gate:
