@@ -278,10 +278,14 @@ def live_pid(app: Appliance, unit: str, timeout_s: float = 60) -> int:
 
 @contextmanager
 def appliance_on_cards(
-    root: Path, slots: list[str], text: Callable[[int, int], str]
+    root: Path,
+    slots: list[str],
+    text: Callable[[int, int], str],
+    env: dict[str, str] | None = None,
 ) -> Iterator[Appliance]:
     """An appliance installed under a private user manager on a fixture tree of B70s at `slots`,
-    its config `text(proxy_port, backend_port)`; uninstalled, the manager stopped, after."""
+    its config `text(proxy_port, backend_port)`; uninstalled, the manager stopped, after.
+    `env`: more of the manager's environment, which its units and b70ctl see."""
     require_real_parts()
     # Beside the models, not under /tmp: each runtime unit has a private /tmp, and its memory
     # gate (ExecStartPre=) reads the cards from this tree.
@@ -292,8 +296,9 @@ def appliance_on_cards(
     try:
         with running_manager(root / "manager") as manager:
             # The units' memory gates and b70ctl read the fixture cards.
-            manager.systemctl("set-environment", f"B70_SYSROOT={tree}")
-            manager.env["B70_SYSROOT"] = str(tree)
+            for key, value in {"B70_SYSROOT": str(tree), **(env or {})}.items():
+                manager.systemctl("set-environment", f"{key}={value}")
+                manager.env[key] = value
             config = root / "appliance.toml"
             # A runtime with `per_card` serves on the backend port and the ones after it.
             proxy_port, backend_port = free_port(), free_ports(len(slots))

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,21 @@ PROXY = "b70-litellm.service"
 MONITOR = "b70-monitor.service"
 COLLEAGUE = "colleague"
 
+
+def native_runtime(name: str, parallel: int) -> str:
+    """A llama.cpp runtime as the README installs one, on the CPU, serving the owner's GGUF."""
+    return f"""
+[runtimes.{name}]
+engine = "llamacpp"
+launcher = "native"
+user = "b70"
+command = ["/opt/llama.cpp/bin/llama-server"]
+model = "{BOX_GGUF}"
+start_timeout_s = 120
+args = ["-c", "2048", "--parallel", "{parallel}", "--threads", "2"]
+"""
+
+
 # examples/b70.toml's shape on CPU: two llama.cpp runtimes take turns under one name on :8000.
 CONFIG = f"""\
 default_runtime = "llamacpp-a"
@@ -50,24 +66,8 @@ hold_s = 120
 host = "127.0.0.1"
 port = 8001
 
-[runtimes.llamacpp-a]
-engine = "llamacpp"
-launcher = "native"
-user = "b70"
-command = ["/opt/llama.cpp/bin/llama-server"]
-model = "{BOX_GGUF}"
-start_timeout_s = 120
-args = ["-c", "2048", "--parallel", "2", "--threads", "2"]
-
-[runtimes.llamacpp-b]
-engine = "llamacpp"
-launcher = "native"
-user = "b70"
-command = ["/opt/llama.cpp/bin/llama-server"]
-model = "{BOX_GGUF}"
-start_timeout_s = 120
-args = ["-c", "2048", "--parallel", "4", "--threads", "2"]
-"""
+{native_runtime("llamacpp-a", 2)}
+{native_runtime("llamacpp-b", 4)}"""
 
 # Clients inside the box: N threads of OpenAI-SDK streams through :8000 until the stop file
 # exists; every request with its times (the box's clock is the host's), and every HTTP attempt
@@ -119,9 +119,10 @@ os.rename(out + ".part", out)
 """
 
 
-@pytest.fixture(scope="module")
-def box() -> Iterator[boxkit.Box]:
-    """The booted box with the appliance installed the README's way, not yet `b70ctl install`ed."""
+@contextmanager
+def readme_box(config: str, binds: dict[Path, str] | None = None) -> Iterator[boxkit.Box]:
+    """A booted box with the appliance installed the README's way and `config` as
+    /etc/b70/appliance.toml, not yet `b70ctl install`ed. `binds`: more host paths, read-only."""
     missing = [str(p) for p in (LLAMA_SERVER, GGUF) if not p.exists()]
     assert not missing, f"missing {missing}: run scripts/fetch-llama-server, scripts/fetch-model"
     fetched = boxkit.fetch()
@@ -133,6 +134,7 @@ def box() -> Iterator[boxkit.Box]:
             # The directory of the real binary: its shared libraries are beside it.
             LLAMA_SERVER.resolve().parent: "/opt/llama.cpp/bin",
             GGUF.parent: "/mnt/models",
+            **(binds or {}),
         }
         # A B70 host's root has CAP_PERFMON (the runtimes' units pass it on); systemd-nspawn
         # leaves it out of a box's capabilities unless asked.
@@ -143,9 +145,15 @@ def box() -> Iterator[boxkit.Box]:
                 timeout=900,
             )
             b.run(f"mkdir -p /etc/b70 {MODELS} && cp /mnt/models/{GGUF.name} {MODELS}/")
-            b.write("/etc/b70/appliance.toml", CONFIG)
+            b.write("/etc/b70/appliance.toml", config)
             b.write("/root/clients.py", CLIENTS)
             yield b
+
+
+@pytest.fixture(scope="module")
+def box() -> Iterator[boxkit.Box]:
+    with readme_box(CONFIG) as b:
+        yield b
 
 
 @pytest.fixture(scope="module")
