@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from appliance.proxy.hold import create_beside
+from appliance.hold import create_beside
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:

@@ -1,7 +1,7 @@
 """Where an installation lives, and every name it gives to units, containers and files.
 
 The one home of these names: a unit name is built or parsed nowhere else. The request hold's
-files (hold.json, held/) are named in appliance/proxy/hold.py, because the proxy imports nothing
+files (hold.json, held/) are named in appliance/hold.py, because the proxy imports nothing
 from the rest of the appliance.
 """
 
@@ -34,9 +34,10 @@ KILLED_FILE = "killed-switch.json"  # a killed switch's note, until it is recove
 LAST_SWITCH = "last-switch.json"
 HISTORY = "switches.jsonl"
 MONITOR_STATE = "monitor.json"
-SAMPLES = "samples.jsonl"  # the monitor's last hour (appliance.samples)
+SAMPLES = "samples.jsonl"  # the monitor's last hour (appliance.watch.samples)
 CANARY_FILE = "canaries.json"
-RENDERED = "rendered.json"  # what install last wrote, and from what (appliance.rendered.stamp)
+# What install last wrote, and from what (appliance.units.rendered.stamp).
+RENDERED = "rendered.json"
 
 
 class Scope(StrEnum):

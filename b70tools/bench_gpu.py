@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from appliance.gpu import fdinfo
+from appliance.host.gpu import fdinfo
 from b70tools import gpu_trees
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@
 
 A stream source on CPU 1 answers /v1/completions with as many SSE token events as asked, as fast
 as it can: one event per token, 1 or 8 events per write (a busy server's socket carries several).
-The client of `b70ctl bench` (appliance.bench) runs on CPU 0 and counts what it receives.
+The client of `b70ctl bench` (appliance.measure.bench) runs on CPU 0 and counts what it receives.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
         os.sched_setaffinity(0, {1 % os.cpu_count()})  # type: ignore[operator]
         asyncio.run(serve(int(sys.argv[2]), int(sys.argv[3])))
         return
-    from appliance import bench
+    from appliance.measure import bench
 
     os.sched_setaffinity(0, {0})
     for per_write in (1, 8):

@@ -43,7 +43,7 @@ import httpx
 
 from appliance import config as config_mod
 from appliance.layout import Layout, Scope
-from appliance.render import proxy_argv, proxy_environment, render_proxy_config
+from appliance.units.render import proxy_argv, proxy_environment, render_proxy_config
 from b70tools import proxy_phases, stream_client
 from b70tools.demo_appliance import demo_text
 from b70tools.net import free_port

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance.gpu import xe
+from appliance.host.gpu import xe
 
 GIB = 1024**3
 ROOT_CAPS = "000001ffffffffff"  # root: every capability, CAP_PERFMON (38) included

@@ -193,7 +193,7 @@ async def client_loop(
 
 async def serving(replicas: Replicas) -> int:
     """Replicas whose unit is active and whose port no switch holds, now."""
-    from appliance.proxy import hold
+    from appliance import hold
 
     units = list(replicas.units)
     argv = ["systemctl", *(["--user"] if replicas.user else []), "show", "-p", "ActiveState"]
@@ -287,9 +287,9 @@ def target_from_config(
 ) -> tuple[Target, Replicas | None]:
     """The appliance's proxy and b70ctl; with `between` naming replica sets, their replicas."""
     from appliance import config as config_mod
-    from appliance import runtimes
+    from appliance.keys import read_key
     from appliance.layout import Scope, layout
-    from appliance.state import read_key
+    from appliance.units import runtimes
 
     scope = Scope.USER if user else Scope.SYSTEM
     path = Path(config_path) if config_path else layout(scope).config

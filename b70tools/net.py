@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import socket
 
-from appliance.processes import ephemeral_range
+from appliance.host.processes import ephemeral_range
 
 # Below the kernel's range for outgoing connections, a port that is free now stays free until a
 # server binds it: connect() never hands it out as a connection's local end. In that range, one

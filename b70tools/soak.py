@@ -57,7 +57,8 @@ def tree_usage(pid: int | None) -> tuple[int, int]:
 
 
 def take_sample(config: Any, scope: Any, t0: float) -> Sample:
-    from appliance import systemd, units
+    from appliance.units import serving as units
+    from appliance.units import systemd
 
     with systemd.connect(scope) as sd:
         pids = {part: sd.state(unit).main_pid for part, unit in PARTS.items()}

@@ -253,7 +253,7 @@ def installed(
 
 def llamacpp_counter(port: int, name: str) -> float:
     """A counter of llama-server's own metrics on `port`, such as tokens_predicted_total."""
-    from appliance import health
+    from appliance.host import health
 
     answer = health.request("GET", f"http://127.0.0.1:{port}/metrics", 5)
     for line in answer.body.decode().splitlines():

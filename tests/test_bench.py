@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import bench, gate, health, runtimes
+from appliance.host import health, runtime_http
+from appliance.measure import bench, gate
 from b70tools import stream_source
 from b70tools.net import free_port
 from tests.conftest import Appliance
@@ -58,8 +59,8 @@ def test_a_timestamp_after_the_value_is_not_the_value() -> None:
         "llamacpp:tokens_predicted_total 40 1700000000000\n"
     )
     assert bench.parse_running(text) == 3
-    assert runtimes.parse_in_flight(text) == 5
-    assert runtimes.metric_sum(text, runtimes.GENERATED_METRICS) == 40
+    assert runtime_http.parse_in_flight(text) == 5
+    assert runtime_http.metric_sum(text, runtime_http.GENERATED_METRICS) == 40
 
 
 def test_label_values_with_escaped_quotes_and_commas_are_one_label() -> None:
@@ -67,8 +68,8 @@ def test_label_values_with_escaped_quotes_and_commas_are_one_label() -> None:
         'vllm:num_requests_running{engine="0",model_name="say \\"a, b\\"} 9"} 2 1700000000000\n'
         'vllm:num_requests_running{engine="1",model_name="c\\\\d,e=f"} 3\n'
     )
-    assert runtimes.metric_sum(text, runtimes.RUNNING_METRICS) == 5
-    read = runtimes.samples(text)
+    assert runtime_http.metric_sum(text, runtime_http.RUNNING_METRICS) == 5
+    read = runtime_http.samples(text)
     assert read is not None
     assert [s.labels["model_name"] for s in read] == ['say "a, b"} 9', "c\\d,e=f"]
 
@@ -76,14 +77,14 @@ def test_label_values_with_escaped_quotes_and_commas_are_one_label() -> None:
 def test_nan_and_inf_are_no_count() -> None:
     for value in ("NaN", "+Inf", "-Inf"):
         text = f"vllm:num_requests_running {value}\nllamacpp:tokens_predicted_total {value}\n"
-        assert runtimes.parse_in_flight(text) is None, value
+        assert runtime_http.parse_in_flight(text) is None, value
         assert bench.parse_running(text) is None, value
-        assert runtimes.metric_sum(text, runtimes.GENERATED_METRICS) is None, value
+        assert runtime_http.metric_sum(text, runtime_http.GENERATED_METRICS) is None, value
     # finite samples whose sum is not
     huge = "vllm:num_requests_running 1e308\nvllm:num_requests_waiting 1e308\n"
-    assert runtimes.parse_in_flight(huge) is None
+    assert runtime_http.parse_in_flight(huge) is None
     # a histogram's le="+Inf" is a label, not a value
-    assert runtimes.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds_bucket",)) == 4
+    assert runtime_http.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds_bucket",)) == 4
 
 
 def test_help_and_type_lines_and_the_names_the_parser_gives_samples() -> None:
@@ -101,13 +102,13 @@ def test_help_and_type_lines_and_the_names_the_parser_gives_samples() -> None:
         "vllm:e2e_request_latency_seconds_count",
         "vllm:e2e_request_latency_seconds_sum",
     }
-    assert runtimes.metric_sum(VLLM_FULL, runtimes.GENERATED_METRICS) == 640
-    assert runtimes.parse_in_flight(VLLM_FULL) == 2
-    assert runtimes.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds",)) is None
-    assert runtimes.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds_count",)) == 3
+    assert runtime_http.metric_sum(VLLM_FULL, runtime_http.GENERATED_METRICS) == 640
+    assert runtime_http.parse_in_flight(VLLM_FULL) == 2
+    assert runtime_http.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds",)) is None
+    assert runtime_http.metric_sum(VLLM_FULL, ("vllm:e2e_request_latency_seconds_count",)) == 3
     # a counter typed without `_total` gets it on its samples: llama-server's name still matches
     counter = "# TYPE llamacpp:tokens_predicted counter\nllamacpp:tokens_predicted 7\n"
-    assert runtimes.metric_sum(counter, runtimes.GENERATED_METRICS) == 7
+    assert runtime_http.metric_sum(counter, runtime_http.GENERATED_METRICS) == 7
 
 
 @pytest.mark.parametrize(
@@ -121,8 +122,8 @@ def test_help_and_type_lines_and_the_names_the_parser_gives_samples() -> None:
 def test_a_malformed_document_counts_nothing(text: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One bad line and the whole document is not trusted: a count from part of it could say
     a runtime is idle while it is not."""
-    assert runtimes.parse_in_flight(text) is None and bench.parse_running(text) is None
-    assert runtimes.samples(text) is None
+    assert runtime_http.parse_in_flight(text) is None and bench.parse_running(text) is None
+    assert runtime_http.samples(text) is None
     monkeypatch.setattr(health, "request", lambda *a, **k: health.Answer(200, text.encode()))
     assert health.read_work("http://127.0.0.1:1") == (None, None)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from appliance import capacity, paging
-from appliance import shape as model_shape
 from appliance.cli import cli
 from appliance.errors import ApplianceError
+from appliance.measure import capacity, paging
+from appliance.measure import shape as model_shape
 
 HYBRID = Path(__file__).parent / "fixtures" / "hybrid-moe-config.json"
 MIB = 1024**2
@@ -149,7 +149,7 @@ def test_plan_command(tmp_path: Path) -> None:
     assert f"error: {bad}: not a readable JSON file" in out.stderr
 
 
-# --- vLLM's layout of the cache (appliance.paging) ------------------------------------------------
+# --- vLLM's layout of the cache (appliance.measure.paging) ------------------------------------------------
 
 # Qwen3-Next-80B-A3B's shape: 48 layers, every 4th full attention.
 NEXT_80B = {**cfg(), "num_hidden_layers": 48, "vocab_size": 151936}
@@ -290,7 +290,7 @@ CACHE_INFO = (
 
 
 def test_the_cache_vllm_reports_is_read_from_its_info_gauge() -> None:
-    from appliance import measured
+    from appliance.measure import measured
 
     text = "# HELP vllm:cache_config_info x\n# TYPE vllm:cache_config_info gauge\n" + CACHE_INFO
     labels = measured.cache_info(text)
@@ -303,7 +303,7 @@ def test_the_cache_vllm_reports_is_read_from_its_info_gauge() -> None:
 
 
 def test_cache_info_labels_are_unescaped_and_non_numbers_are_not_reported() -> None:
-    from appliance import measured
+    from appliance.measure import measured
 
     text = (
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
@@ -325,7 +325,7 @@ def test_cache_info_labels_are_unescaped_and_non_numbers_are_not_reported() -> N
      'vllm:cache_config_info{block_size="16"\n'],
 )  # fmt: skip
 def test_cache_info_from_a_malformed_document_is_a_clear_error(text: str) -> None:
-    from appliance import measured
+    from appliance.measure import measured
 
     with pytest.raises(ApplianceError, match="is not Prometheus text") as raised:
         measured.cache_info(text)
@@ -335,7 +335,7 @@ def test_cache_info_from_a_malformed_document_is_a_clear_error(text: str) -> Non
 def test_plan_against_a_runtime_with_malformed_metrics_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from appliance import health
+    from appliance.host import health
 
     base = "http://127.0.0.1:1"
     answers = {"/metrics": CACHE_INFO + "\nnot Prometheus\n", "/v1/models": '{"data": []}'}

@@ -132,7 +132,7 @@ def test_numbers_in_range_and_names_that_pass() -> None:
 def test_the_pass_through_is_on_unless_the_config_turns_it_off() -> None:
     """Off, the proxy unit says so (B70_PASS_THROUGH=0); on, the rendered units are as before."""
     from appliance.layout import Scope, layout
-    from appliance.render import proxy_environment
+    from appliance.units.render import proxy_environment
 
     on = config.parse(GOOD, Path("t"))
     off = config.parse(GOOD.replace('model = "smollm2"', 'model = "smollm2"\npass_through = false'),

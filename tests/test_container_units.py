@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from appliance import config as config_mod
-from appliance import runtimes
 from appliance.layout import MONITOR_STATE, SAMPLES
+from appliance.units import runtimes
 from tests.conftest import (
     GGUF,
     LLAMA_SERVER,

@@ -10,12 +10,12 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from appliance import metrics
 from appliance.config import parse
-from appliance.gpu import DeviceMemory, Holder, Snapshot
-from appliance.gpu.sysfs import Device
+from appliance.host.gpu import DeviceMemory, Holder, Snapshot
+from appliance.host.gpu.sysfs import Device
 from appliance.layout import HISTORY
-from appliance.plans import Memory, Observation
+from appliance.switch.plans import Memory, Observation
+from appliance.watch import metrics
 from tests.conftest import REPO
 
 DASHBOARD = REPO / "examples" / "grafana" / "b70-dashboard.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import doctor, modelfiles
+from appliance.host import doctor, modelfiles
 from b70tools import gpu_trees as t
 from tests.test_cli import _in_process
 

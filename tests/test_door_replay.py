@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
+from appliance import hold
 from appliance.proxy import door as proxy_gate
-from appliance.proxy import hold, mount, relay, waiting
+from appliance.proxy import mount, relay, waiting
 from tests.doorkit import AUTH, KEY, LIMIT, MODELS, Clock, call, chat
 
 # --- a request whose runtime died before it answered is sent again ----------------------------

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import health, processes
+from appliance.host import health, processes
 from b70tools import gpu_trees
 from b70tools.net import free_port
 from tests.conftest import (

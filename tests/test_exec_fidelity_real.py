@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from appliance import config as config_mod
-from appliance import render, runtimes
 from appliance.layout import Scope, layout
+from appliance.units import render, runtimes
 from tests.conftest import Manager
 
 CASES = 40

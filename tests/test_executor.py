@@ -1,5 +1,5 @@
-"""The switch's executor (appliance.switching.Executor) on edges that record what they are asked
-and a clock that only the edges move: every plan of appliance.plans, applied, with each failing
+"""The switch's executor (appliance.switch.executor.Executor) on edges that record what they are asked
+and a clock that only the edges move: every plan of appliance.switch.plans, applied, with each failing
 step, without systemd. tests/test_switch_real.py runs the same executor on the real edges."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from appliance import plans
 from appliance.errors import ApplianceError
-from appliance.interrupts import Interrupts, SwitchInterrupted
-from appliance.proxy.hold import Mark
-from appliance.switching import Executor
+from appliance.hold import Mark
+from appliance.switch import plans
+from appliance.switch.executor import Executor
+from appliance.switch.interrupts import Interrupts, SwitchInterrupted
 
 TOKEN = "t0ken"
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import gpu
 from appliance.errors import ApplianceError
-from appliance.gpu import fdinfo, memgate, xe
+from appliance.host import gpu
+from appliance.host.gpu import fdinfo, xe
+from appliance.host.gpu import fit as memgate
 from b70tools import gpu_trees as t
 from tests.test_gpu_commands import b70ctl
 
@@ -257,7 +258,7 @@ def test_proc_entries_of_other_users_cannot_be_read(readable_tree: Path) -> None
     t.build(readable_tree, [t.Card(t.B70)], [t.llama_server(), hidden])
     # As an unprivileged user the root-owned fd directory of pid 7000 cannot be listed.
     code = (
-        "import json, sys; from pathlib import Path; from appliance.gpu import fdinfo; "
+        "import json, sys; from pathlib import Path; from appliance.host.gpu import fdinfo; "
         "s = fdinfo.read_holders(Path(sys.argv[1])); "
         "print(json.dumps([s.unreadable_pids, [h.pid for h in s.holders]]))"
     )
@@ -291,7 +292,7 @@ def test_a_gpu_client_whose_fdinfo_is_withheld_is_counted_as_unreadable(
     t.build(readable_tree, [t.Card(t.B70)], [t.llama_server(), t.foreign(pid=7000)])
     (readable_tree / "proc" / "7000" / "fdinfo").chmod(0o700)
     code = (
-        "import json, sys; from pathlib import Path; from appliance.gpu import fdinfo; "
+        "import json, sys; from pathlib import Path; from appliance.host.gpu import fdinfo; "
         "s = fdinfo.read_holders(Path(sys.argv[1])); "
         "print(json.dumps([s.unreadable_pids, [h.pid for h in s.holders]]))"
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.gpu import memgate
+from appliance.host.gpu import fit as memgate
 from b70tools import gpu_trees as t
 from b70tools.net import free_port
 from tests.conftest import B70CTL
@@ -181,7 +181,7 @@ def test_the_units_gate_waits_for_gpu_memory_before_it_looks_at_the_port(tree: P
 
 
 def test_level_zero_sysman_is_optional_and_says_why_it_is_absent() -> None:
-    from appliance.gpu.sysman import read_sysman
+    from appliance.host.gpu.sysman import read_sysman
 
     result = read_sysman()
     # This machine has no Intel GPU: whether pyzes, the loader or a driver is missing, the

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
+from appliance import hold
 from appliance.layout import MONITOR_UNIT
-from appliance.proxy import hold
 from tests.conftest import (
     Appliance,
     demo_config_text,

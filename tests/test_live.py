@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import time
 
-from appliance.live import Live
+from appliance.cli.live import Live
 
 LOADING = "Loading safetensors checkpoint shards:  50% Completed | 1/2"
 

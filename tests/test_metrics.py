@@ -8,10 +8,10 @@ from types import SimpleNamespace
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance import metrics
 from appliance.config import parse
-from appliance.gpu import Snapshot
-from appliance.plans import Memory, Observation
+from appliance.host.gpu import Snapshot
+from appliance.switch.plans import Memory, Observation
+from appliance.watch import metrics
 
 CONFIG = """
 default_runtime = "chat"

@@ -16,9 +16,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from appliance.monitor import restore, save
-from appliance.plans import Memory
-from appliance.proxy import hold, waiting
+from appliance import hold
+from appliance.proxy import waiting
+from appliance.switch.plans import Memory
+from appliance.watch.monitor import restore, save
 from tests.conftest import (
     GGUF,
     LLAMA_SERVER,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import health
+from appliance.host import health
 from b70tools import load_test
 from b70tools.net import free_port
 from tests.conftest import (

@@ -8,14 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config, placement, runtimes
+from appliance import config
 from appliance import layout as config_mod
 from appliance.errors import ConfigError
-from appliance.gpu.memgate import judge_start_all
-from appliance.gpu.sysfs import Device
+from appliance.host import placement
+from appliance.host.gpu.fit import judge_start_all
+from appliance.host.gpu.sysfs import Device
+from appliance.host.placement import placements
 from appliance.layout import UNIT_SUFFIXES, Scope, layout
-from appliance.placement import placements
-from appliance.render import render_all
+from appliance.units import runtimes
+from appliance.units.render import render_all
 from b70tools import gpu_trees as t
 from tests.test_render import analyze_verify, unit_lines, verify_root
 
@@ -329,7 +331,7 @@ def test_random_placements_conflict_exactly_where_cards_intersect(
 
 
 def test_the_memory_gate_says_no_when_any_of_the_cards_is_short(tmp_path: Path) -> None:
-    from appliance import gpu
+    from appliance.host import gpu
 
     gib = 1024**3
     root = t.build(
@@ -369,8 +371,8 @@ def test_install_places_on_the_sysfs_it_reads(
 
 
 def test_status_names_each_runtimes_cards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from appliance import output
-    from appliance.status import cards_view
+    from appliance.cli import output
+    from appliance.watch.status import cards_view
 
     cfg = two_b70s(tmp_path, monkeypatch)
     view = cards_view(cfg)
@@ -428,8 +430,8 @@ def test_a_switchs_preflight_judges_the_targets_own_cards(tmp_path: Path) -> Non
     """A foreign holder on the target's second card is found by the preflight, before the old
     runtime is stopped, not first by the unit's memory gate after it ([gpu] device is the first
     card, which is free)."""
-    from appliance import gpu
-    from appliance.preflight import memory_verdicts
+    from appliance.host import gpu
+    from appliance.switch.preflight import memory_verdicts
 
     root = t.build(
         tmp_path,

@@ -1,11 +1,11 @@
-"""The appliance's decisions as tables (appliance.plans): the switch's steps and their
+"""The appliance's decisions as tables (appliance.switch.plans): the switch's steps and their
 rollback, and the monitor's policy. No systemd, no clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from appliance.plans import (
+from appliance.switch.plans import (
     COMMIT,
     DRAIN,
     ENABLE,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance import processes
+from appliance.host import processes
 
 PORT = 8001
 TCP_HEADER = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
@@ -138,9 +138,9 @@ def test_a_free_port_is_known_free_without_psutil(no_psutil: None) -> None:
 def test_a_containers_server_is_the_appliances(monkeypatch: pytest.MonkeyPatch) -> None:
     """A runtime in a container serves from outside its unit's process tree (host network): the
     port check asks the engine for the container's processes before it calls one foreign."""
-    from appliance import units
     from appliance.config import parse
     from appliance.errors import ApplianceError
+    from appliance.units import serving as units
 
     class Manager:
         def main_pid(self, unit: str) -> int:

@@ -1,4 +1,4 @@
-"""The request hold of appliance.proxy.hold: the gate, the mark and the counts, on real files and
+"""The request hold of appliance.hold: the gate, the mark and the counts, on real files and
 a clock that the test moves; the same gate runs inside the real proxy in tests/test_hold_real.py
 (and under LiteLLM's hook in tests/test_proxy_hook_real.py)."""
 
@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.proxy import hold, waiting
+from appliance import hold
+from appliance.proxy import waiting
 
 
 class Clock:
@@ -187,7 +188,7 @@ def test_an_unhealthy_backend_holds_until_it_answers(tmp_path: Path) -> None:
 
 def test_a_mark_left_by_a_dead_switch_holds_nothing(tmp_path: Path) -> None:
     code = (
-        "import sys; from pathlib import Path; from appliance.proxy import hold\n"
+        "import sys; from pathlib import Path; from appliance import hold\n"
         "m = hold.marked(Path(sys.argv[1]), 'vllm'); m.__enter__()\n"  # exits without cleanup
         "import os; os._exit(0)\n"
     )
@@ -241,7 +242,7 @@ def test_requests_let_through_are_counted_open_until_answered_and_not_while_held
 
 def test_open_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> None:
     code = (
-        "import os, sys; from pathlib import Path; from appliance.proxy import hold\n"
+        "import os, sys; from pathlib import Path; from appliance import hold\n"
         "counts = hold.OpenRequests(Path(sys.argv[1])); counts.add(+3)\n"
         "print(hold.read_open(Path(sys.argv[1])), flush=True); os._exit(0)\n"
     )

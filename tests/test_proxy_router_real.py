@@ -17,8 +17,9 @@ from pathlib import Path
 import litellm
 import pytest
 
-from appliance.proxy import hold, mount, waiting
+from appliance import hold
 from appliance.proxy import hook as proxy_hook
+from appliance.proxy import mount, waiting
 from b70tools.net import free_port
 
 PORTS = (8101, 8102, 8103)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from appliance import layout
-from appliance.proxy import hold
-from appliance.purge import STATE_FILES, purge_state
+from appliance import hold, layout
+from appliance.deploy.purge import STATE_FILES, purge_state
 
 
 def appliance_files(state: Path) -> None:

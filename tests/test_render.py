@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from appliance import config, runtimes
+from appliance import config
 from appliance.layout import UNIT_SUFFIXES, Scope, layout
-from appliance.render import quote_exec_arg, render_all, render_exec
+from appliance.units import runtimes
+from appliance.units.render import quote_exec_arg, render_all, render_exec
 from tests.conftest import REPO
 
 B70 = REPO / "examples" / "b70.toml"
@@ -270,10 +271,10 @@ def test_stop_timeouts_nest_unit_over_container_over_vllm(launcher: str) -> None
 def test_preflight_knows_installed_files_are_current_without_rendering(tmp_path: Path) -> None:
     """install's stamp: the same inputs and untouched files need no rendering (and no jinja2);
     anything else is rendered and compared, naming the file that differs."""
-    from appliance import preflight
     from appliance.errors import ApplianceError
     from appliance.layout import PROXY_CONFIG, Layout
-    from appliance.rendered import installed_as_rendered, stamp
+    from appliance.switch import preflight
+    from appliance.units.rendered import installed_as_rendered, stamp
 
     lay = Layout(Scope.USER, tmp_path / "units", tmp_path / "etc", tmp_path / "state")
     cfg = config.parse(THREE, tmp_path / "three.toml")

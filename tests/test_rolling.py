@@ -1,4 +1,4 @@
-"""The rolling switch of a replica set (appliance.rolling) on a stand-in for one runtime's switch:
+"""The rolling switch of a replica set (appliance.switch.rolling) on a stand-in for one runtime's switch:
 one replica at a time, and on a failure the replicas switched before it put back, last first."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from appliance.errors import ApplianceError
-from appliance.interrupts import Interrupts
-from appliance.rolling import rolling
-from appliance.switching import SwitchResult
+from appliance.switch.executor import SwitchResult
+from appliance.switch.interrupts import Interrupts
+from appliance.switch.rolling import rolling
 
 
 class OneSwitch:

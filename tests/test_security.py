@@ -19,7 +19,7 @@ import pytest
 
 from appliance import config
 from appliance.layout import UNIT_SUFFIXES, Scope, layout
-from appliance.render import render_all
+from appliance.units.render import render_all
 from tests.conftest import REPO
 from tests.test_render import analyze_verify, unit_lines, verify_root
 

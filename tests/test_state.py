@@ -9,10 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from appliance import edges, errors, files, monitor, plans, state
+from appliance import errors, files, hold
 from appliance.layout import KILLED_FILE, LAST_SWITCH, NOTE_FILE, Scope
-from appliance.plans import Memory
-from appliance.proxy import hold
+from appliance.switch import edges, plans, records
+from appliance.switch import lock as lock_mod
+from appliance.switch.lock import killed_switch, switch_lock, waiting_trace, writer_lock
+from appliance.switch.plans import Memory
+from appliance.switch.records import record_switch
+from appliance.watch import monitor
 from tests.conftest import tree_snapshot
 
 
@@ -23,9 +27,9 @@ def full(*args: object, **kwargs: object) -> None:
 def test_a_record_that_cannot_be_written_is_said_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert state.record_switch(tmp_path, {"target": "vllm"}) is None
-    monkeypatch.setattr(state, "write_atomic", full)
-    problem = state.record_switch(tmp_path, {"target": "llamacpp"})
+    assert record_switch(tmp_path, {"target": "vllm"}) is None
+    monkeypatch.setattr(records, "write_atomic", full)
+    problem = record_switch(tmp_path, {"target": "llamacpp"})
     assert problem is not None and str(tmp_path) in problem and "No space left" in problem
     assert json.loads((tmp_path / LAST_SWITCH).read_text())["target"] == "vllm"
 
@@ -33,8 +37,8 @@ def test_a_record_that_cannot_be_written_is_said_not_raised(
 def test_a_note_that_cannot_be_written_does_not_stop_the_switch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with state.switch_lock(tmp_path, "vllm") as lock:
-        monkeypatch.setattr(state, "write_atomic", full)
+    with switch_lock(tmp_path, "vllm") as lock:
+        monkeypatch.setattr(lock_mod, "write_atomic", full)
         lock.note(phase="start")
         assert lock.unwritten == "No space left on device"
         assert lock.info["phase"] == "start"
@@ -86,39 +90,39 @@ def test_a_killed_switchs_note_waits_until_a_recovery_clears_it(tmp_path: Path) 
     that writer says it recovered: a recovery that fails loses no trace."""
     note = {"pid": 999999999, "pid_start": "1", "target": "vllm", "phase": "start"}
     (tmp_path / NOTE_FILE).write_text(json.dumps(note))
-    assert state.waiting_trace(tmp_path) == note, "status sees it, from the note alone"
-    with pytest.raises(RuntimeError), state.switch_lock(tmp_path, "llamacpp") as lock:
+    assert waiting_trace(tmp_path) == note, "status sees it, from the note alone"
+    with pytest.raises(RuntimeError), switch_lock(tmp_path, "llamacpp") as lock:
         assert lock.stale == note
         raise RuntimeError("the recovery failed")
     assert json.loads((tmp_path / KILLED_FILE).read_text()) == note
-    assert state.waiting_trace(tmp_path) == note
-    with state.killed_switch(tmp_path) as trace:
+    assert waiting_trace(tmp_path) == note
+    with killed_switch(tmp_path) as trace:
         assert trace is not None and trace.info == note
         trace.clear_stale()
     assert not (tmp_path / KILLED_FILE).exists() and not (tmp_path / NOTE_FILE).exists()
-    assert state.waiting_trace(tmp_path) is None
+    assert waiting_trace(tmp_path) is None
 
 
 def test_status_reads_a_running_switch_as_running_and_writes_nothing(tmp_path: Path) -> None:
-    with state.switch_lock(tmp_path, "vllm"):
+    with switch_lock(tmp_path, "vllm"):
         before = tree_snapshot(tmp_path)
-        assert state.waiting_trace(tmp_path) is None  # this process is alive: not killed
+        assert waiting_trace(tmp_path) is None  # this process is alive: not killed
         assert tree_snapshot(tmp_path) == before
 
 
 def test_install_holds_the_lock_and_a_switch_is_told_who(tmp_path: Path) -> None:
     with (
-        state.writer_lock(tmp_path, "install"),
+        writer_lock(tmp_path, "install"),
         pytest.raises(errors.ApplianceError) as e,
-        state.switch_lock(tmp_path, "vllm"),
+        switch_lock(tmp_path, "vllm"),
     ):
         pass
     assert e.value.exit_code == 3
     assert e.value.message.startswith(f"b70ctl install is running (pid {os.getpid()}")
     with (
-        state.switch_lock(tmp_path, "vllm"),
+        switch_lock(tmp_path, "vllm"),
         pytest.raises(errors.ApplianceError) as e,
-        state.writer_lock(tmp_path, "uninstall"),
+        writer_lock(tmp_path, "uninstall"),
     ):
         pass
     assert "another switch is running: to vllm" in e.value.message
@@ -128,8 +132,8 @@ def test_install_holds_the_lock_and_a_switch_is_told_who(tmp_path: Path) -> None
 def test_a_killed_install_leaves_nothing_to_recover(tmp_path: Path) -> None:
     note = {"command": "install", "pid": 999999999, "pid_start": "1", "started_at": 1.0}
     (tmp_path / NOTE_FILE).write_text(json.dumps(note))
-    assert state.waiting_trace(tmp_path) is None
-    with state.switch_lock(tmp_path, "vllm") as lock:
+    assert waiting_trace(tmp_path) is None
+    with switch_lock(tmp_path, "vllm") as lock:
         assert lock.stale is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["switch.lock"]
 
@@ -160,7 +164,7 @@ def test_the_monitor_restarts_a_runtime_only_under_the_switch_lock(
     sd = Restarts(state_dir)
     log: list[str] = []
     action = plans.Action("restart", "llamacpp", "no answer to 3 probes")
-    with state.switch_lock(state_dir, "vllm"):
+    with switch_lock(state_dir, "vllm"):
         monitor.act(cfg, Scope.USER, sd, action, Memory(), log.append)  # type: ignore[arg-type]
     assert sd.restarted == []
     assert log[-1] == "restart of llamacpp failed: a switch began meanwhile; llamacpp is left to it"

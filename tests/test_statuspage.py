@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from appliance import samples, statuspage
 from appliance.config import is_loopback, parse
 from appliance.layout import SAMPLES, Layout, Scope
+from appliance.watch import samples, statuspage
 from b70tools.net import free_port
 
 KEY = "sk-b70-test-key"
@@ -263,7 +263,8 @@ def test_the_holds_token_of_any_text_is_a_mismatch(tmp_path: Path) -> None:
     any text (a header is latin-1; JSON can carry a lone surrogate) is another switch's."""
     import asyncio
 
-    from appliance.proxy import hold, waiting
+    from appliance import hold
+    from appliance.proxy import waiting
 
     async def healthy() -> bool:
         return True
@@ -296,8 +297,8 @@ def test_the_ring_keeps_the_last_hour_and_drops_the_rest_in_one_rewrite(tmp_path
 
 
 def test_a_sample_holds_each_runtime_side_by_side() -> None:
-    from appliance.gpu import Snapshot
-    from appliance.plans import Observation
+    from appliance.host.gpu import Snapshot
+    from appliance.switch.plans import Observation
 
     chat = Observation(5.0, "chat", "active", "running", 7, True, "", False, 2, 100.0)
     vision = Observation(5.0, "vision", "active", "running", 8, False, "", False, 1, 40.0)

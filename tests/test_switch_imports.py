@@ -20,8 +20,8 @@ def test_a_switch_reaches_systemd_without_pystemds_object_layer() -> None:
     out = run(
         """
         import sys
-        import appliance.cli, appliance.switching
-        from appliance import systemd
+        import appliance.cli, appliance.switch.apply
+        from appliance.units import systemd
         systemd._import_bus_binding()
         from pystemd.dbuslib import DBus, DBusAddress, apply_signature
         from pystemd.dbusexc import DBusNoSuchUnitError
@@ -39,7 +39,7 @@ def test_a_binding_that_needs_its_whole_package_gets_it() -> None:
     out = run(
         """
         import importlib, sys
-        from appliance import systemd
+        from appliance.units import systemd
         real = importlib.import_module
         def picky(name, *args):
             if name == "pystemd.dbuslib" and not hasattr(sys.modules["pystemd"], "systemd1"):

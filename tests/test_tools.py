@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance import render, runtimes
 from appliance.layout import Scope, layout
+from appliance.units import render, runtimes
 from b70tools import bench_proxy, proxy_phases
 
 
@@ -65,7 +65,7 @@ def test_test_ports_keep_out_of_the_range_for_outgoing_connections() -> None:
     """A test's port is taken from below the kernel's range for outgoing connections, so that
     none of the connections a run makes takes it before its server binds it (a replica's start
     failed so in CI); a block of consecutive ports for replicas, none handed out twice."""
-    from appliance.processes import ephemeral_range
+    from appliance.host.processes import ephemeral_range
     from b70tools import net
 
     span = ephemeral_range()

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from appliance import config as config_mod
-from appliance import output
+from appliance.cli import output
 from appliance.config import Config
 from appliance.errors import ApplianceError, from_exception
 from appliance.layout import Scope
@@ -41,7 +41,7 @@ class Context:
                 f"`b70ctl {command}` changes the appliance: only root may run it "
                 "(status, gpu, logs, plan, doctor and bench only read, and work for anyone)",
                 hint=f"run it as root: `sudo b70ctl {command} ...`; an admin can let a group "
-                "switch with one sudoers line (docs/security.md, \"Who may do what\")",
+                'switch with one sudoers line (docs/security.md, "Who may do what")',
                 code="not_permitted",
             )
 

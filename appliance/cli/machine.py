@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from appliance import output
+from appliance.cli import output
 from appliance.cli.base import Context, cli, unitgate_log, with_json
 from appliance.errors import ApplianceError
 from appliance.sizes import GIB
@@ -21,7 +21,7 @@ root_option = click.option(
 
 
 def gpu_root(root: Path | None) -> Path:
-    from appliance.gpu import sysroot
+    from appliance.host.gpu import sysroot
 
     return root or sysroot()
 
@@ -40,7 +40,7 @@ def gpu(ctx: Context, root: Path | None) -> None:
     click_ctx = click.get_current_context()
     if click_ctx.invoked_subcommand is not None:
         return
-    from appliance import gpu as gpu_mod
+    from appliance.host import gpu as gpu_mod
 
     snap = gpu_mod.snapshot(gpu_root(root))
     output.show(ctx.json, output.gpu_document(snap), lambda: output.render_gpu(snap))
@@ -60,7 +60,7 @@ def doctor(ctx: Context, root: Path | None) -> None:
     Example:
       sudo b70ctl --config /etc/b70/appliance.toml doctor
     """
-    from appliance import doctor as doctor_mod
+    from appliance.host import doctor as doctor_mod
 
     checks = doctor_mod.doctor(ctx.config(), gpu_root(root))
     doc = {"checks": [vars(c) for c in checks]}
@@ -106,7 +106,7 @@ def gpu_wait_free(
     Example:
       b70ctl gpu wait-free --need-gib 24 --timeout 120
     """
-    from appliance.gpu import memgate
+    from appliance.host.gpu import fit as memgate
 
     if need_bytes < 0 or (need_gib is not None and not 0 <= need_gib <= 1024**2):
         raise ApplianceError(
@@ -160,10 +160,10 @@ def unit_pre(
 ) -> None:
     """ExecStartPre: the GPU memory the runtime needs is free (with --device), then the backend
     port is free. One process for both: each b70ctl start costs a runtime's start 0.1-0.2 s."""
-    from appliance import unitgate
+    from appliance.units import guards as unitgate
 
     if devices:
-        from appliance.gpu import memgate
+        from appliance.host.gpu import fit as memgate
 
         memgate.wait_start(
             gpu_root(root), devices, need_bytes, unit_name, gpu_timeout_s, unitgate_log
@@ -185,7 +185,7 @@ def unit_ready(
     """ExecStartPost: wait until URL is healthy and served by PID's own process tree."""
     from urllib.parse import urlsplit
 
-    from appliance import unitgate
+    from appliance.units import guards as unitgate
 
     try:
         port = urlsplit(url).port

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from appliance import output
+from appliance.cli import output
 from appliance.cli.base import Context, cli, with_json
 from appliance.errors import ApplianceError
 
@@ -131,7 +131,7 @@ def plan(ctx: Context, config_json: Path, compare_url: str | None, **options: An
       b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --cards 2
       b70ctl plan config.json --utilization 0.9 --compare http://127.0.0.1:8001
     """
-    from appliance import capacity, measured
+    from appliance.measure import capacity, measured
 
     result = capacity.plan_file(config_json, options)
     doc = dataclasses.asdict(result)
@@ -162,8 +162,10 @@ def gate_cmd(ctx: Context, record: bool, k: int) -> None:
     Example:
       b70ctl gate && b70ctl switch vllm --gate
     """
-    from appliance import gate, systemd, units
     from appliance.layout import layout
+    from appliance.measure import gate
+    from appliance.units import serving as units
+    from appliance.units import systemd
 
     ctx.require_root("gate")  # it records the canaries' first answers in the state directory
     config = ctx.config()
@@ -219,7 +221,7 @@ def bench(ctx: Context, **o: Any) -> None:
     import json
     import time
 
-    from appliance import bench as bench_mod
+    from appliance.measure import bench as bench_mod
 
     w, runtime_url, metrics_url, runtime = bench_mod.target(ctx.config, ctx.scope, o)
     if w.requests < 1 or not 1 <= w.concurrency <= w.requests:

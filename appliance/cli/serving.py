@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from appliance import output
+from appliance.cli import output
 from appliance.cli.base import Context, cli, unitgate_log, with_json
 from appliance.errors import ApplianceError
 
@@ -29,10 +29,10 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
       b70ctl --config examples/b70.toml render --out /tmp/units
       b70ctl render --diff
     """
+    from appliance.deploy.install import render_diff
     from appliance.files import write_atomic
-    from appliance.install import render_diff
     from appliance.layout import layout
-    from appliance.render import render_all
+    from appliance.units.render import render_all
 
     config = ctx.config()
     if diff:
@@ -68,7 +68,7 @@ def install(ctx: Context, now: bool) -> None:
       sudo b70ctl install
       b70ctl --user --config examples/demo.toml install
     """
-    from appliance import install as install_mod
+    from appliance.deploy import install as install_mod
 
     ctx.require_root("install")
     result = install_mod.install(ctx.config(), ctx.scope, now, output.progress)
@@ -90,7 +90,7 @@ def uninstall(ctx: Context, purge: bool) -> None:
     Example:
       sudo b70ctl uninstall --purge
     """
-    from appliance import install as install_mod
+    from appliance.deploy import install as install_mod
 
     ctx.require_root("uninstall")
     result = install_mod.uninstall(ctx.config(), ctx.scope, purge)
@@ -118,7 +118,8 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: fl
     Example:
       sudo b70ctl switch llamacpp
     """
-    from appliance import switching, units
+    from appliance.switch import apply
+    from appliance.units import serving as units
 
     ctx.require_root("switch")
     progress: units.Progress = (
@@ -126,11 +127,11 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: fl
     )
     line = None
     if sys.stderr.isatty() and not ctx.json:  # a terminal: one line that moves
-        from appliance import live
+        from appliance.cli import live
 
         progress = line = live.Live(sys.stderr, live.journal_tail(ctx.scope))
     try:
-        result = switching.switch(
+        result = apply.switch(
             ctx.config(), ctx.scope, name, restart, progress, gate, drain_s=drain_timeout
         )
     finally:
@@ -150,7 +151,7 @@ def status(ctx: Context) -> None:
     Example:
       b70ctl status --json | jq .result.active_runtime
     """
-    from appliance import status as status_mod
+    from appliance.watch import status as status_mod
 
     result = status_mod.status(ctx.config(), ctx.scope)
     output.show(ctx.json, result, lambda: output.render_status(result))
@@ -172,7 +173,7 @@ def monitor(ctx: Context, once: bool) -> None:
     Example:
       b70ctl monitor --once && curl -s http://127.0.0.1:9101/metrics | grep ^b70_
     """
-    from appliance import monitor as monitor_mod
+    from appliance.watch import monitor as monitor_mod
 
     ctx.require_root("monitor")
     if ctx.json and not once:
@@ -198,8 +199,8 @@ def logs(ctx: Context, name: str, lines: int, follow: bool) -> None:
     Example:
       b70ctl logs vllm -n 50
     """
-    from appliance import systemd
     from appliance.layout import MONITOR_UNIT, PROXY_UNIT
+    from appliance.units import systemd
 
     if lines < 1:
         raise ApplianceError(

@@ -1,6 +1,8 @@
 """The appliance configuration: one TOML file, read into frozen dataclasses and checked whole.
 
 model.py holds the dataclasses, values.py the checks of single values, reader.py the reading.
+
+May import: the core modules alone (appliance.errors, layout, sizes): every room reads the config.
 """
 
 from appliance.config.model import (

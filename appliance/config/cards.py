@@ -1,5 +1,5 @@
 """The config's cards: `[gpu] cards` and each runtime's `cards`, and the rules for runtimes that
-serve side by side (appliance.placement uses what is read here)."""
+serve side by side (appliance.host.placement uses what is read here)."""
 
 from __future__ import annotations
 

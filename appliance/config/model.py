@@ -55,7 +55,7 @@ RESERVED_CONTAINER_OPTIONS: dict[str, str] = {
     "-e": "use [runtimes.NAME.env]",
     "--env": "use [runtimes.NAME.env]",
 }
-# The environment through which a runtime on named cards is told them (appliance.placement).
+# The environment through which a runtime on named cards is told them (appliance.host.placement).
 PCI_ORDER_ENV = "ZE_ENABLE_PCI_ID_DEVICE_ORDER"
 VLLM_MASK_ENV = "ZE_AFFINITY_MASK"
 SYCL_SELECTOR_ENV = "ONEAPI_DEVICE_SELECTOR"
@@ -95,7 +95,7 @@ class GpuConfig:
     """[gpu]: the device and cards, the memory a start needs free, how long to wait for it."""
 
     device: str = "auto"
-    # The cards runtimes index (appliance.placement): "auto" (every B70, in PCI address order),
+    # The cards runtimes index (appliance.host.placement): "auto" (every B70, in PCI address order),
     # PCI addresses, or None when the config names no cards (one card, no device selection).
     cards: str | tuple[str, ...] | None = None
     memory_needed_bytes: int = 0

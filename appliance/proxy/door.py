@@ -41,7 +41,7 @@ anyway. The outermost layer also sees each path before any of LiteLLM's middlewa
 it.
 
 Imported by the proxy: nothing from the rest of the controller but appliance.proxy.checks and
-appliance.proxy.hold.
+appliance.hold.
 """
 
 from __future__ import annotations
@@ -52,8 +52,10 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
-from appliance.proxy import direct, hold
-from appliance.proxy.asgi import ASGIApp, Receive, Send, log, same_secret
+from appliance import hold
+from appliance.keys import same_secret
+from appliance.proxy import direct
+from appliance.proxy.asgi import ASGIApp, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
 from appliance.proxy.checks import Refusal, check_request, parse_body
 from appliance.proxy.relay import (

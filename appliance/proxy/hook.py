@@ -8,7 +8,7 @@ Importing it inside the proxy puts the door (appliance.proxy.door) in front of L
 only the appliance's routes exist, and bad requests are refused before LiteLLM parses them.
 
 The proxy unit tells this module where things are through its environment:
-    B70_STATE_DIR       where `b70ctl switch` writes its hold mark (appliance.proxy.hold)
+    B70_STATE_DIR       where `b70ctl switch` writes its hold mark (appliance.hold)
     B70_BACKEND_URL     the runtimes' addresses, one per runtime port (space-separated); each has
                         its own hold, whose /health is probed
     B70_HOLD_S          how long a request may wait before it is answered 503
@@ -33,9 +33,9 @@ from fastapi import Request
 from litellm.integrations.custom_logger import CustomLogger
 from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAuth
 
+from appliance import hold as hold_mark
 from appliance.proxy import backend as backend_mod
 from appliance.proxy import door, mount, routing
-from appliance.proxy import hold as hold_mark
 from appliance.proxy.asgi import log
 from appliance.proxy.waiting import HEALTH_TIMEOUT_S, Gate, HoldTimeout, Probe
 

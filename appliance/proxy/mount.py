@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from appliance.hold import PEER_HEADER
 from appliance.proxy import direct
 from appliance.proxy.asgi import ASGIApp
 from appliance.proxy.backend import Backend
@@ -26,7 +27,6 @@ from appliance.proxy.door import (
     Hold,
     Readiness,
 )
-from appliance.proxy.hold import PEER_HEADER
 from appliance.proxy.relay import WaitReady
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
+from appliance import hold as hold_mark
 from appliance.proxy import backend, direct, door, mount
-from appliance.proxy import hold as hold_mark
 from appliance.proxy.waiting import HEALTH_TIMEOUT_S, HEALTH_TTL_S, POLL_S, Gate, HoldTimeout
 
 

@@ -1,7 +1,7 @@
 """The hold's gate, in the proxy's workers: whether a request may go on to the runtime now, and
 the wait until it may (a switch is marked, or the runtime is not healthy), up to the hold time.
 
-The mark, the counts and the tickets it reads and writes are appliance.proxy.hold's, which the
+The mark, the counts and the tickets it reads and writes are appliance.hold's, which the
 switch imports too; this module is the proxy's alone (it needs an event loop).
 """
 
@@ -13,8 +13,9 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from appliance.proxy.asgi import log, same_secret
-from appliance.proxy.hold import TICKET, HeldCounts, Mark, OpenRequests, read_mark, write_counts
+from appliance.hold import TICKET, HeldCounts, Mark, OpenRequests, read_mark, write_counts
+from appliance.keys import same_secret
+from appliance.proxy.asgi import log
 
 POLL_S = 0.2
 HEALTH_TIMEOUT_S = 2.0  # a /health (or a peer's readiness) that takes longer is busy, not down

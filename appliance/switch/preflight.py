@@ -1,0 +1,116 @@
+"""A switch's preflight: everything it needs, checked before anything is touched."""
+
+from __future__ import annotations
+
+import os
+
+from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance.errors import ApplianceError
+from appliance.host import gpu, placement
+from appliance.host.gpu import fit as memgate
+from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout
+from appliance.units import runtimes, systemd
+from appliance.units.rendered import installed_as_rendered
+from appliance.units.serving import check_port, container_pids
+
+
+def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeConfig) -> list[str]:
+    """Check the target without touching anything. Returns notes; raises on the first problem."""
+    notes: list[str] = []
+    check_installed(config, lay, (target.unit, PROXY_UNIT, PROXY_CONFIG))
+    if sd.load_state(target.unit) != "loaded":
+        raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
+    check_runtime_files(config, target)
+    check_port(sd, [rt.unit for rt in config.runtimes.values()], target.port, "backend", config)
+    if sd.active_state(PROXY_UNIT) != "active":
+        raise _preflight(
+            f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
+            f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
+        )
+    verdicts = memory_verdicts(config, target, gpu.snapshot(gpu.sysroot()))
+    verdict = next((v for v in verdicts if not v.ok), verdicts[0])
+    if not verdict.ok:
+        raise ApplianceError(
+            f"{target.name} would not have enough GPU memory: {verdict.reason}",
+            hint="stop that process first; `b70ctl gpu` shows every holder",
+            code="gpu_memory_busy",
+        )
+    notes += [f"GPU memory: {v.reason}" for v in dict.fromkeys(verdicts)]
+    return notes
+
+
+def memory_verdicts(
+    config: Config, target: RuntimeConfig, snap: gpu.Snapshot
+) -> list[memgate.Verdict]:
+    """Each of the target's own cards judged as its unit's memory gate will judge it, once every
+    appliance runtime has stopped: a holder there is found now, before the old runtime stops."""
+    placed = placement.placements(config)
+    devices = placement.devices_of(config, target, placed[target.name] if placed else None)
+    ours = container_pids(config)
+    return [memgate.judge_switch(snap, d, target.memory_needed_bytes, ours) for d in devices]
+
+
+def check_installed(config: Config, lay: Layout, names: tuple[str, ...]) -> None:
+    """The installed files `names` are what the config renders. Known from install's stamp when
+    nothing changed since (rendering costs a switch 0.1 s of importing jinja2); else rendered
+    and compared, which names the first file that differs."""
+    if installed_as_rendered(config, lay, names):
+        return
+    from appliance.units.render import render_all
+
+    files = render_all(config, lay)
+    for name in names:
+        dest = lay.destination(name)
+        try:
+            current = dest.read_text()
+        except FileNotFoundError:
+            raise _preflight(f"{dest} is not installed", "run `b70ctl install`") from None
+        if current != files[name]:
+            raise _preflight(
+                f"{dest} differs from what {config.path} renders",
+                "run `b70ctl render --diff` to see how, then `b70ctl install`",
+            )
+
+
+def _preflight(message: str, hint: str) -> ApplianceError:
+    return ApplianceError(message, hint=hint, code="preflight_failed")
+
+
+def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
+    where = f"runtimes.{rt.name}"
+    if rt.launcher is Launcher.NATIVE:
+        exe = rt.command[0]
+        if os.path.isabs(exe):
+            found: str | None = exe
+        else:  # named without its directory: look it up on PATH
+            import shutil
+
+            found = shutil.which(exe)
+        if not found or not os.access(found, os.X_OK):
+            raise _preflight(
+                f"{where}.command: {exe} is not an executable file", "install it or fix the path"
+            )
+        for key, path in (("model", rt.model), ("mmproj", rt.mmproj)):
+            if (
+                path
+                and (os.path.isabs(path) or rt.engine is Engine.LLAMACPP)
+                and not os.path.exists(path)
+            ):
+                raise _preflight(
+                    f"{where}.{key}: {path} does not exist", "download it or fix the path"
+                )
+    else:
+        cli = runtimes.container_cli(config, rt)
+        from appliance import run  # subprocess: only for a runtime in a container
+
+        out = run.run(
+            [cli, "image", "inspect", rt.image or ""],
+            timeout_s=30,
+            hint=f"install {rt.launcher}, or check that its daemon answers",
+            code="preflight_failed",
+        )
+        if out.returncode != 0:
+            raise _preflight(
+                f"{where}.image: {rt.image} is not present in {rt.launcher}",
+                f"pull it first: {cli} pull {rt.image}",
+            )

@@ -1,0 +1,128 @@
+"""Engines and launchers: the command line of each runtime, its container, and its stop times."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from appliance import layout
+from appliance.config import Config, Engine, Launcher, RuntimeConfig
+
+if TYPE_CHECKING:
+    from appliance.host.placement import Selection
+
+
+@dataclass(frozen=True)
+class StopTimeouts:
+    """How long a stop may take, innermost first; each layer waits longer than the one inside.
+
+    engine_s: in-flight requests may finish (vLLM's --shutdown-timeout; SIGTERM's grace).
+    container_s: `docker stop --time` / `--stop-timeout`, then the engine is killed.
+    unit_s: systemd's TimeoutStopSec=, then systemd kills what is left.
+    """
+
+    engine_s: int
+    container_s: int | None
+    unit_s: int
+
+
+def stop_timeouts(runtime: RuntimeConfig) -> StopTimeouts:
+    engine = math.ceil(runtime.stop_timeout_s)
+    container = None if runtime.launcher is Launcher.NATIVE else engine + 10
+    return StopTimeouts(engine, container, (container or engine) + 15)
+
+
+def engine_argv(config: Config, runtime: RuntimeConfig, sel: Selection | None = None) -> list[str]:
+    """The engine's own arguments: model, address, served name, the cards' (tensor parallel),
+    then the user's args."""
+    host, port, name = config.backend.host, str(runtime.port), runtime.served_model_name
+    if runtime.engine is Engine.LLAMACPP:
+        argv = ["--model", runtime.model, "--host", host, "--port", port]
+        argv += ["--alias", name, "--metrics"]
+        if runtime.mmproj:
+            argv += ["--mmproj", runtime.mmproj]
+    else:
+        argv = ["--model", runtime.model, "--served-model-name", name]
+        argv += ["--host", host, "--port", port]
+        argv += ["--shutdown-timeout", str(stop_timeouts(runtime).engine_s)]
+    return argv + list(sel.args if sel else ()) + list(runtime.args)
+
+
+def container_cli(config: Config, runtime: RuntimeConfig) -> str:
+    """The docker or podman executable of a container runtime."""
+    return config.docker if runtime.launcher is Launcher.DOCKER else config.podman
+
+
+def container_name(runtime: RuntimeConfig) -> str:
+    return layout.container_name(runtime.name)
+
+
+def exec_start(config: Config, runtime: RuntimeConfig, sel: Selection | None = None) -> list[str]:
+    """The full ExecStart= argv of a runtime unit; `sel`: its cards, when the config names them
+    (appliance.host.placement)."""
+    if runtime.launcher is Launcher.NATIVE:
+        return list(runtime.command) + engine_argv(config, runtime, sel)
+    engine_bin = container_cli(config, runtime)
+    argv = [engine_bin, "run", "--rm", "--name", container_name(runtime), "--network", "host"]
+    argv += ["--stop-timeout", str(stop_timeouts(runtime).container_s)]
+    for device in (*runtime.devices, *(sel.devices if sel else ())):
+        argv += ["--device", device]
+    if runtime.shm_size:
+        argv += ["--shm-size", runtime.shm_size]
+    for volume in (*runtime.volumes, *(sel.volumes if sel else ())):
+        argv += ["--volume", volume]
+    for key in sorted({*runtime.env, *(sel.env if sel else ())}):
+        argv += ["--env", key]  # the value comes from the unit's Environment=
+    argv += runtime.container_options
+    argv.append(runtime.image or "")
+    return argv + engine_argv(config, runtime, sel)
+
+
+def exec_stop_post(config: Config, runtime: RuntimeConfig) -> list[list[str]]:
+    """Cleanup that runs after every stop, failed starts included."""
+    if runtime.launcher is Launcher.NATIVE:
+        return []
+    engine_bin = container_cli(config, runtime)
+    # A killed client leaves the container running with its VRAM: remove it by name.
+    return [[engine_bin, "rm", "--force", container_name(runtime)]]
+
+
+def exec_stop(config: Config, runtime: RuntimeConfig) -> list[list[str]]:
+    if runtime.launcher is Launcher.NATIVE:
+        return []
+    engine_bin = container_cli(config, runtime)
+    timeout = str(stop_timeouts(runtime).container_s)
+    return [[engine_bin, "stop", "--time", timeout, container_name(runtime)]]
+
+
+def backend_url(config: Config, runtime: RuntimeConfig | None = None) -> str:
+    """Where `runtime` listens; without one, [backend] port (the runtimes' port by default)."""
+    host = config.backend.host
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{runtime.port if runtime else config.backend.port}"
+
+
+def deployments(config: Config) -> dict[int, tuple[str, str]]:
+    """The proxy's deployments, one per runtime port: port -> (served name, URL). Runtimes that
+    share a port take turns on it under one name (appliance.config.cards.side_by_side)."""
+    out: dict[int, tuple[str, str]] = {}
+    for _, rt in sorted(config.runtimes.items()):
+        out.setdefault(rt.port, (rt.served_model_name, backend_url(config, rt)))
+    return dict(sorted(out.items()))
+
+
+def peer_deployments(config: Config) -> list[tuple[str, str]]:
+    """Each name this box serves, at each peer's proxy: (name, URL)."""
+    names = sorted({rt.served_model_name for rt in config.runtimes.values()})
+    return [(name, url.rstrip("/")) for name in names for url in config.peers.urls]
+
+
+def proxy_url(config: Config) -> str:
+    host = config.proxy.host
+    if host in {"0.0.0.0", "::"}:
+        host = "127.0.0.1"
+    elif ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{config.proxy.port}"

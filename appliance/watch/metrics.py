@@ -1,0 +1,175 @@
+"""Prometheus metrics of the monitor, served on loopback by prometheus-client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from appliance import hold
+from appliance.config import Config
+from appliance.switch.records import read_history
+
+
+def switch_counts(state_dir: Path) -> tuple[int, int, dict[str, Any] | None]:
+    """Switches, failed switches, and the last switch's record, from the switch records."""
+    records = read_history(state_dir)
+    failed = sum(not r.get("ok") for r in records)
+    return len(records), failed, records[-1] if records else None
+
+
+class Exporter(Collector):
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.snapshot: dict[str, Any] = {}
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def update(
+        self,
+        observed: list[Any],
+        m: Any,
+        units: dict[str, Any],
+        proxy_up: bool,
+        snap: Any,
+        state_dir: Path,
+        watched: dict[str, Any] | None = None,
+    ) -> None:
+        """One sample: every runtime observed (several serve side by side on their own cards),
+        the monitor's counters `m`, and each runtime's own memory in `watched`."""
+        total, failed, last = switch_counts(state_dir)
+        self.snapshot = {
+            "observed": [o for o in observed if o.runtime is not None],
+            "m": m,
+            "watched": watched or {},
+            "units": units,
+            "proxy_up": proxy_up,
+            "gpu": snap,
+            "switches": total,
+            "switches_failed": failed,
+            "last_switch": last,
+            "held": hold.read_counts(state_dir),
+        }
+
+    def collect(self) -> Iterator[Any]:
+        s = self.snapshot
+        if not s:
+            return
+        yield from self._runtimes(s)
+        yield from self._switches(s)
+        yield from self._requests(s)
+        yield from self._vram(s)
+
+    def _runtimes(self, s: dict[str, Any]) -> Iterator[Any]:
+        seen = {o.runtime: o for o in s["observed"]}
+        active = GaugeMetricFamily(
+            "b70_active_runtime", "1 for each runtime that serves", labels=["runtime"]
+        )
+        up = GaugeMetricFamily(
+            "b70_runtime_up", "The runtime answers health and probe", labels=["runtime"]
+        )
+        for name in sorted(self.config.runtimes):
+            o = seen.get(name)
+            serving = o is not None and o.unit_state == "active"
+            active.add_metric([name], float(serving))
+            up.add_metric([name], float(serving and o is not None and o.healthy))
+        yield active
+        yield up
+        yield GaugeMetricFamily(
+            "b70_proxy_up", "The proxy answers /health/liveliness", value=float(s["proxy_up"])
+        )
+        unit_active = GaugeMetricFamily(
+            "b70_unit_active", "1 when the unit is active", labels=["unit"]
+        )
+        restarts = CounterMetricFamily(
+            "b70_runtime_restarts", "Runtime restarts", labels=["runtime", "by"]
+        )
+        for unit, st in sorted(s["units"].items()):
+            unit_active.add_metric([unit], float(st.active_state == "active"))
+        for name, rt in sorted(self.config.runtimes.items()):
+            restarts.add_metric([name, "systemd"], float(s["units"][rt.unit].n_restarts or 0))
+            mine = s["watched"].get(name)
+            by_monitor = mine.restarts_by_monitor if mine is not None else 0
+            restarts.add_metric([name, "monitor"], float(by_monitor))
+        yield unit_active
+        yield restarts
+        yield CounterMetricFamily(
+            "b70_failovers", "Failovers to the fallback runtime", value=float(s["m"].failovers)
+        )
+
+    def _switches(self, s: dict[str, Any]) -> Iterator[Any]:
+        yield CounterMetricFamily("b70_switches", "Switches recorded", value=float(s["switches"]))
+        yield CounterMetricFamily(
+            "b70_switches_failed", "Switches that failed", value=float(s["switches_failed"])
+        )
+        last = s["last_switch"]
+        if last is None:
+            return
+        if isinstance(last.get("seconds"), int | float):
+            yield GaugeMetricFamily(
+                "b70_last_switch_duration_seconds",
+                "How long the last switch took",
+                value=float(last["seconds"]),
+            )
+        phases = GaugeMetricFamily(
+            "b70_last_switch_phase_seconds",
+            "How long each phase of the last switch took",
+            labels=["phase"],
+        )
+        recorded = last.get("phases")
+        for phase, seconds in sorted(recorded.items() if isinstance(recorded, dict) else ()):
+            if isinstance(seconds, int | float):
+                phases.add_metric([str(phase)], float(seconds))
+        yield phases
+
+    def _requests(self, s: dict[str, Any]) -> Iterator[Any]:
+        held = s["held"]
+        in_flight = GaugeMetricFamily(
+            "b70_requests_in_flight",
+            "Running plus waiting requests in the runtime",
+            labels=["runtime"],
+        )
+        for o in s["observed"]:
+            if o.in_flight is not None:
+                in_flight.add_metric([o.runtime], float(o.in_flight))
+        yield in_flight
+        yield GaugeMetricFamily(
+            "b70_requests_held",
+            "Requests waiting at the proxy now (a switch, or the runtime not healthy)",
+            value=float(held.now),
+        )
+        yield CounterMetricFamily(
+            "b70_held_requests",
+            "Requests that had to wait at the proxy, since the proxy started",
+            value=float(held.total),
+        )
+        yield CounterMetricFamily(
+            "b70_hold_timeouts",
+            "Held requests answered 503 because the hold time ran out, since the proxy started",
+            value=float(held.timed_out),
+        )
+
+    def _vram(self, s: dict[str, Any]) -> Iterator[Any]:
+        total = GaugeMetricFamily("b70_vram_total_bytes", "GPU memory", labels=["device"])
+        used = GaugeMetricFamily("b70_vram_used_bytes", "GPU memory in use", labels=["device"])
+        per_unit = GaugeMetricFamily(
+            "b70_vram_unit_bytes", "GPU memory held per unit", labels=["device", "unit"]
+        )
+        for mem in s["gpu"].devices:
+            slot = mem.device.pci_slot
+            if mem.total_bytes is not None:
+                total.add_metric([slot], float(mem.total_bytes))
+            if mem.used_bytes is not None:
+                used.add_metric([slot], float(mem.used_bytes))
+            by_unit: dict[str, int] = {}
+            for holder, held in mem.holders:
+                by_unit[holder.unit or ""] = by_unit.get(holder.unit or "", 0) + held
+            for unit, held in sorted(by_unit.items()):
+                per_unit.add_metric([slot, unit], float(held))
+        yield total
+        yield used
+        yield per_unit

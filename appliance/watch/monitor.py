@@ -1,0 +1,278 @@
+"""`b70ctl monitor` (b70-monitor.service): watch the serving runtimes, heal them, export metrics.
+
+Every interval it samples backend and proxy health, a tiny completion on the runtime, GPU
+memory and the runtime's own metrics, and exports them to Prometheus on loopback. systemd
+restarts a runtime that crashes (Restart=on-failure); the monitor handles what systemd cannot
+see: a hung runtime, one that does not come back, as decided by appliance.switch.plans.judge.
+
+Every decision is written to the monitor state file with its reason; `b70ctl status` shows it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from appliance import hold as hold_mark
+from appliance.config import Config, RuntimeConfig
+from appliance.errors import ApplianceError, from_exception
+from appliance.files import write_atomic
+from appliance.host import gpu, health, runtime_http
+from appliance.host.placement import excludes
+from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Layout, Scope, layout
+from appliance.switch.lock import try_lock
+from appliance.switch.plans import Action, Memory, Observation, judge
+from appliance.switch.recovery import recover_killed_switch
+from appliance.units import runtimes, systemd
+from appliance.watch import samples
+
+FAILOVER_BACKOFF_S = 60
+
+
+# --- the loop ----------------------------------------------------------------------------------
+
+
+def switch_running(state_dir: Path) -> bool:
+    """A switch holds the lock (preflight) or the hold mark (drain, start, verify)."""
+    return hold_mark.read_mark(state_dir) is not None or _lock_held(state_dir)
+
+
+def _lock_held(state_dir: Path) -> bool:
+    try:
+        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> list[Observation]:
+    """One observation per runtime to watch: each one active or starting, and a failed one that
+    is enabled at boot (a failed unit that is not a chosen runtime is history, not news); one
+    with no runtime when there is none. Runtimes serving side by side are each watched."""
+    now, switching = time.time(), switch_running(state_dir)
+    out = []
+    for name, rt in sorted(config.runtimes.items()):
+        st = sd.state(rt.unit)
+        if st.active_state not in {"active", "activating", "failed"}:
+            continue
+        if st.active_state == "failed" and st.unit_file_state != "enabled":
+            continue
+        o = Observation(
+            now, name, st.active_state, st.sub_state, st.main_pid, False, "not active",
+            switching,
+        )  # fmt: skip
+        if st.active_state == "active":
+            _probe(config, rt, o)
+        out.append(o)
+    return out or [Observation(now, None, None, None, None, False, "no runtime", switching)]
+
+
+def _probe(config: Config, rt: RuntimeConfig, o: Observation) -> None:
+    """Its health, a probe completion, and its own metrics, into the observation."""
+    mon = config.monitor
+    url = runtimes.backend_url(config, rt)
+    probe = health.probe(url + runtime_http.HEALTH_PATH, timeout_s=mon.health_timeout_s)
+    o.healthy, o.detail = probe.healthy, f"/health: {probe.detail}"
+    if o.healthy and mon.probe_completion:
+        o.healthy, o.detail = _probe_completion(url, rt.served_model_name, mon.probe_timeout_s)
+    o.in_flight, o.generated = health.read_work(url, timeout_s=mon.health_timeout_s)
+
+
+def fallback_for(config: Config, runtime: str | None) -> str | None:
+    """[monitor] fallback, for a runtime it can replace: one that shares a card with it (a
+    fallback on other cards would not take its place)."""
+    fallback = config.monitor.fallback
+    if fallback is None or runtime is None or runtime not in config.runtimes:
+        return None
+    return fallback if excludes(config.runtime(fallback), config.runtime(runtime)) else None
+
+
+def _probe_completion(url: str, model: str, timeout_s: float) -> tuple[bool, str]:
+    body = {"model": model, "prompt": "ping", "max_tokens": 1, "temperature": 0}
+    try:
+        answer = health.request("POST", url + "/v1/completions", timeout_s, body=body)
+    except health.NoAnswer as e:
+        return False, f"probe completion: {e.detail}"
+    ok = answer.status == 200
+    return ok, "ok" if ok else f"probe completion: HTTP {answer.status}"
+
+
+def act(
+    config: Config,
+    scope: Scope,
+    sd: systemd.Systemd,
+    action: Action,
+    m: Memory,
+    log: Any,
+    mine: Memory | None = None,
+) -> None:
+    """Restart or fail over; counted in `m`; a failed failover backs off `mine` (the runtime's
+    memory, or `m`)."""
+    m.last_action = {
+        "at": time.time(),
+        "what": action.kind,
+        "runtime": action.runtime,
+        "reason": action.reason,
+    }
+    log(f"{action.kind} {action.runtime}: {action.reason}")
+    if action.kind == "restart":
+        m.restarts_by_monitor += 1
+        if mine is not None and mine is not m:
+            mine.restarts_by_monitor += 1  # the runtime's own count, for its metric
+        try:
+            _restart_unless_switching(config, sd, action.runtime)
+        except ApplianceError as e:  # systemd refused: say so, and judge again next sample
+            m.last_action["result"] = f"restart failed: {e.message}"
+            log(f"restart of {action.runtime} failed: {e.message}")
+        return
+    from appliance.switch import apply
+
+    m.failovers += 1
+    try:
+        apply.switch(config, scope, action.runtime)
+        m.last_action["result"] = f"{action.runtime} is serving"
+    except ApplianceError as e:
+        m.last_action["result"] = f"failover failed: {e.message}"
+        (mine or m).hold_until = time.time() + FAILOVER_BACKOFF_S
+        log(f"failover to {action.runtime} failed: {e.message}; again in {FAILOVER_BACKOFF_S} s")
+
+
+def _restart_unless_switching(config: Config, sd: systemd.Systemd, runtime: str) -> None:
+    """RestartUnit under the switch lock: a switch that began while the monitor probed (for up
+    to its probe timeouts) may be draining this very runtime, and is left alone."""
+    state_dir = layout(sd.scope).state_dir
+    with try_lock(state_dir) as held:
+        if not held or hold_mark.read_mark(state_dir) is not None:
+            raise ApplianceError(f"a switch began meanwhile; {runtime} is left to it")
+        sd.restart(config.runtime(runtime).unit)
+
+
+def save(state_dir: Path, m: Memory, o: Observation | None, log: Any = None) -> dict[str, Any]:
+    """Write the monitor's state for `status` and its next start. A state that cannot be
+    written (a full file system) is logged once, not fatal: the monitor goes on watching, and
+    its counters live on in memory until the file can be written again."""
+    doc = asdict(m)
+    doc["last_observation"] = asdict(o) if o else None
+    doc["pid"] = os.getpid()
+    try:
+        write_atomic(state_dir / MONITOR_STATE, json.dumps(doc, sort_keys=True) + "\n")
+    except OSError as e:
+        problem = f"cannot save the monitor's state: {e.filename}: {e.strerror or e}"
+        if log is not None and m.unsaved != problem:
+            log(problem + "; it is kept in memory until it can be written")
+        m.unsaved = problem
+        return doc
+    if log is not None and m.unsaved:
+        log("the monitor's state is saved again")
+    m.unsaved = None
+    return doc
+
+
+# What survives a restart of the monitor: its counters and what it last saw and did; not what it
+# was in the middle of (failures in a row, a backoff).
+KEPT = {
+    "restarts_by_monitor": int,
+    "failovers": int,
+    "last_failure": dict,
+    "last_action": dict,
+}
+
+
+def restore(state_dir: Path) -> Memory:
+    m = Memory()
+    data = samples.read_monitor(state_dir) or {}
+    for key, kind in KEPT.items():
+        value = data.get(key)
+        if isinstance(value, kind) and not isinstance(value, bool):
+            setattr(m, key, value)
+    return m
+
+
+def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str, Any]:
+    """Sample and act every interval; with `once`, one sample, returned as the state file has it."""
+    from appliance.watch import metrics
+
+    lay = layout(scope)
+    mon = config.monitor
+    exporter = metrics.Exporter(config)
+    m = restore(lay.state_dir)
+    if not once:  # one sample serves no scrape; and the monitor's unit may hold the port
+        from appliance.watch import statuspage
+
+        statuspage.serve(statuspage.Page(config, lay, exporter.registry), mon.host, mon.port)
+        where = f"http://{mon.host}:{mon.port}"
+        log(f"monitoring every {mon.interval_s:g} s; status page on {where}/, metrics on /metrics")
+    trouble: str | None = None  # what made the last sample fail, logged once while it lasts
+    watched: dict[str, Memory] = {}  # each runtime's failures in a row, restarts, backoff
+    while True:
+        try:
+            doc = sample(config, scope, lay, m, exporter, log, watched)
+        except (ApplianceError, OSError) as e:
+            # A sample that fails (an unreachable manager, a state directory that cannot be
+            # written) is logged, not fatal: the monitor watches on and tries again next time.
+            if once:
+                raise
+            problem = str(from_exception(e).message)
+            if problem != trouble:
+                log(f"this sample failed: {problem}; the monitor goes on")
+            trouble = problem
+        else:
+            if trouble is not None:
+                log("samples succeed again")
+            trouble = None
+            if once:
+                return doc
+        time.sleep(mon.interval_s)
+
+
+def sample(
+    config: Config,
+    scope: Scope,
+    lay: Layout,
+    m: Memory,
+    exporter: Any,
+    log: Any,
+    watched: dict[str, Memory] | None = None,
+) -> dict[str, Any]:
+    """One sample: recover a killed switch, observe each runtime, judge and act on each (its
+    failures in a row are its own, in `watched`), export, save. The counters are `m`'s."""
+    mon = config.monitor
+    watched = {} if watched is None else watched
+    with systemd.connect(scope) as sd:
+        recover_killed_switch(config, sd, lay.state_dir)
+        observed = observe(config, sd, lay.state_dir)
+        for o in observed:
+            mine = watched.setdefault(o.runtime or "", Memory(runtime=o.runtime))
+            action = judge(
+                mine, o, mon.hang_after, mon.restart_tries, fallback_for(config, o.runtime)
+            )
+            if mine.last_failure and mine.last_failure != m.last_failure:
+                m.last_failure = mine.last_failure
+            if action:
+                act(config, scope, sd, action, m, log, mine)
+                save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
+        units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
+        units[PROXY_UNIT] = sd.state(PROXY_UNIT)
+    o = observed[0]  # the first runtime by name: the one the state file describes
+    first = watched[o.runtime or ""]
+    m.runtime, m.failures, m.restarts = first.runtime, first.failures, first.restarts
+    proxy = health.probe(
+        runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH, mon.health_timeout_s
+    )
+    snap = gpu.snapshot(gpu.sysroot())
+    exporter.update(observed, m, units, proxy.healthy, snap, lay.state_dir, watched)
+    samples.append(lay.state_dir, samples.sample_of(observed, exporter.snapshot["held"].now, snap))
+    doc = save(lay.state_dir, m, o, log)
+    doc["observations"] = [asdict(each) for each in observed]
+    return doc
