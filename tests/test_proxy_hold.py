@@ -347,6 +347,7 @@ def test_counts_that_cannot_be_written_are_said_in_the_journal_once(
     ]
 
 
+@pytest.mark.real  # LiteLLM's proxy is imported: 3 s on 2 cores
 def test_inside_the_proxy_a_door_that_cannot_be_mounted_stops_it() -> None:
     """A LiteLLM whose proxy module has no app the door can stand in front of: the hook's import
     ends the process (status 3: gunicorn's "failed to boot") with a journal line, rather than

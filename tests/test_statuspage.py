@@ -43,7 +43,8 @@ def page(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, 
     lay.key_file.write_text(f"LITELLM_MASTER_KEY={KEY}\n")
     from prometheus_client import CollectorRegistry
 
-    server = statuspage.serve(statuspage.Page(cfg, lay, CollectorRegistry()), request.param, port)
+    page = statuspage.Page(cfg, lay, CollectorRegistry())
+    server = statuspage.serve(page, request.param, port, poll_s=0.005)
     try:
         yield f"http://127.0.0.1:{port}", request.param != "127.0.0.1"
     finally:

@@ -372,8 +372,9 @@ def judge_origin(origin: str, host: str) -> bool:
     return mine is not None and mine == theirs
 
 
-def serve(page: Page, host: str, port: int) -> ThreadingHTTPServer:
-    """The page's server, answering from a thread of its own."""
+def serve(page: Page, host: str, port: int, poll_s: float = 0.1) -> ThreadingHTTPServer:
+    """The page's server, answering from a thread of its own. `poll_s`: how often its thread
+    looks whether it is asked to stop (shutdown() waits up to that long)."""
 
     class PageHandler(Handler):
         pass
@@ -388,6 +389,9 @@ def serve(page: Page, host: str, port: int) -> ThreadingHTTPServer:
     PageHandler.port = server.server_port
     server.daemon_threads = True
     threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="status-page", daemon=True
+        target=server.serve_forever,
+        kwargs={"poll_interval": poll_s},
+        name="status-page",
+        daemon=True,
     ).start()
     return server
