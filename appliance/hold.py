@@ -54,7 +54,7 @@ class Mark:
 def create_beside(path: Path) -> tuple[int, str]:
     """A new file in `path`'s directory that no one else opened (O_EXCL), mode 0600, to be
     renamed over `path`: what tempfile.mkstemp makes, without importing tempfile (and shutil
-    and random with it, 8 ms of every switch's start-up on 2 cores)."""
+    and random with it) at every switch's start (docs/startup.md)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     while True:
         tmp = str(path.parent / f".{path.name}.{os.urandom(6).hex()}")
@@ -297,7 +297,7 @@ class Ticket:
             self.counted = None
 
 
-# The request being answered, set by the door for the hold's gate (same task, same context).
+# The request being answered, set by the door for the turnstiles (same task, same context).
 TICKET: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("b70_ticket", default=None)
 
 

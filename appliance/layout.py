@@ -33,7 +33,7 @@ NOTE_FILE = "switch.json"  # the running switch: who, to what, how far
 KILLED_FILE = "killed-switch.json"  # a killed switch's note, until it is recovered
 LAST_SWITCH = "last-switch.json"
 HISTORY = "switches.jsonl"
-MONITOR_STATE = "monitor.json"
+MONITOR_RECORD = "monitor.json"  # the monitor's record: its counters, what it last saw and did
 SAMPLES = "samples.jsonl"  # the monitor's last hour (appliance.watch.samples)
 CANARY_FILE = "canaries.json"
 # What install last wrote, and from what (appliance.units.rendered.stamp).

@@ -1,8 +1,8 @@
 """Figures for the status page (run through scripts/bench-page).
 
-1. Weight: bytes on the wire for the first load (the page, its script, the first state), as
+1. Weight: bytes on the wire for the first load (the page, its script, its first data), as
    Chromium's DevTools counts them (Network.loadingFinished, encodedDataLength).
-2. Time until the page shows data: from the navigation to the first state drawn, three loads.
+2. Time until the page shows data: from the navigation to the first data drawn, three loads.
 3. The monitor's CPU (user + system of its process, from /proc) over a window with no page open,
    then over a window of the same length with the page open and polling; both in one run.
 """
@@ -42,7 +42,7 @@ def main() -> None:
             for _ in range(3):
                 t0 = time.perf_counter()
                 b.goto(url)
-                b.wait_for(DRAWN, 30, "the first state drawn")
+                b.wait_for(DRAWN, 30, "the first data drawn")
                 loads.append(time.perf_counter() - t0)
                 time.sleep(1)  # the first poll's answer has arrived
                 weights.append(b.bytes_received())

@@ -45,7 +45,7 @@ class Outcome:
     kind: str  # chat, chat-stream, completion, completion-stream
     start: float
     end: float
-    status: str  # succeeded, failed, truncated
+    result: str  # succeeded, failed, truncated
     error: str | None = None
     chunks: int = 0
 
@@ -83,12 +83,12 @@ class Report:
 
     def summary(self) -> dict[str, Any]:
         def group(items: list[Outcome]) -> dict[str, Any]:
-            latencies = sorted(o.end - o.start for o in items if o.status == "succeeded")
+            latencies = sorted(o.end - o.start for o in items if o.result == "succeeded")
             return {
                 "sent": len(items),
-                "succeeded": sum(o.status == "succeeded" for o in items),
-                "failed": sum(o.status == "failed" for o in items),
-                "truncated": sum(o.status == "truncated" for o in items),
+                "succeeded": sum(o.result == "succeeded" for o in items),
+                "failed": sum(o.result == "failed" for o in items),
+                "truncated": sum(o.result == "truncated" for o in items),
                 "p50_s": _percentile(latencies, 0.50),
                 "p99_s": _percentile(latencies, 0.99),
             }
@@ -151,7 +151,7 @@ async def one_request(client: Any, model: str, kind: str, prompt: str, max_token
             else:
                 stream = await client.completions.create(prompt=prompt, stream=True, **common)
                 finished = await _drain(stream, outcome)
-        outcome.status = "succeeded" if finished else "truncated"
+        outcome.result = "succeeded" if finished else "truncated"
         if not finished:
             outcome.error = "ended without a finish_reason"
     except openai.APIStatusError as e:
@@ -159,7 +159,7 @@ async def one_request(client: Any, model: str, kind: str, prompt: str, max_token
     except (openai.APIError, OSError) as e:
         outcome.error = f"{type(e).__name__}: {str(e)[:120]}"
     if outcome.error and outcome.chunks:
-        outcome.status = "truncated"
+        outcome.result = "truncated"
     outcome.end = time.monotonic()
     return outcome
 
@@ -201,11 +201,11 @@ async def serving(replicas: Replicas) -> int:
         *argv, *units, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL
     )
     out, _ = await proc.communicate()
-    states = [line.split("=", 1)[1] for line in out.decode().split("\n") if "=" in line]
+    active_states = [line.split("=", 1)[1] for line in out.decode().split("\n") if "=" in line]
     mark = hold.read_mark(replicas.state_dir)
     return sum(
-        state == "active" and not (mark is not None and mark.holds(replicas.units[unit]))
-        for unit, state in zip(units, states, strict=False)
+        active_state == "active" and not (mark is not None and mark.holds(replicas.units[unit]))
+        for unit, active_state in zip(units, active_states, strict=False)
     )
 
 
@@ -271,10 +271,8 @@ async def run(
                 await watch
             report.switches.append(run_)
             if log:
-                state = "ok" if run_.ok else f"FAILED: {run_.error}"
-                log(
-                    f"switch {i + 1}/{switches} to {runtime}: {run_.end - run_.start:.1f} s {state}"
-                )
+                how = "ok" if run_.ok else f"FAILED: {run_.error}"
+                log(f"switch {i + 1}/{switches} to {runtime}: {run_.end - run_.start:.1f} s {how}")
             await asyncio.sleep(pause_s)  # the new runtime serves under load before the next
     finally:
         stop.set()

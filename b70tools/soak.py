@@ -61,10 +61,10 @@ def take_sample(config: Any, scope: Any, t0: float) -> Sample:
     from appliance.units import systemd
 
     with systemd.connect(scope) as sd:
-        pids = {part: sd.state(unit).main_pid for part, unit in PARTS.items()}
+        pids = {part: sd.properties(unit).main_pid for part, unit in PARTS.items()}
         runtime = units.serving_runtime(config, sd)
         if runtime is not None:
-            pids["runtime"] = sd.state(config.runtimes[runtime].unit).main_pid
+            pids["runtime"] = sd.properties(config.runtimes[runtime].unit).main_pid
     rss, fds = {}, {}
     for part, pid in pids.items():
         rss[part], fds[part] = tree_usage(pid)
@@ -110,9 +110,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 runtime = args.between[n % 2]
                 run = await load_test.switch(target, runtime)
                 report.switches.append(run)
-                state = "ok" if run.ok else f"FAILED: {run.error}"
+                how = "ok" if run.ok else f"FAILED: {run.error}"
                 print(
-                    f"soak: switch {n} to {runtime}: {run.end - run.start:.1f} s {state}",
+                    f"soak: switch {n} to {runtime}: {run.end - run.start:.1f} s {how}",
                     file=sys.stderr,
                     flush=True,
                 )

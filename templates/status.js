@@ -3,7 +3,7 @@
 const TOKEN = document.querySelector('meta[name="b70-token"]').content;
 const HOUR = 3600, POLL_MS = 1500, NS = "http://www.w3.org/2000/svg";
 const PHASE_COLORS = ["#5aa9ff", "#3ecf8e", "#f5b942", "#c792ea", "#ff6b6b", "#7fdbca", "#ffcb6b"];
-let samples = [], last = null, state = null, lastPoll = 0;
+let samples = [], last = null, view = null, lastPoll = 0;
 
 const $ = (id) => document.getElementById(id);
 const el = (tag, attrs = {}, text) => {
@@ -21,8 +21,8 @@ async function poll() {
     const q = last == null ? "" : "?since=" + last;
     const r = await fetch("/api/state" + q, { credentials: "same-origin" });
     if (!r.ok) throw new Error((await r.json()).error.message);
-    state = await r.json();
-    samples = samples.concat(state.samples).filter((s) => s.t > state.now - HOUR);
+    view = await r.json();
+    samples = samples.concat(view.samples).filter((s) => s.t > view.now - HOUR);
     if (samples.length) last = samples[samples.length - 1].t;
     lastPoll = Date.now();
     draw();
@@ -33,21 +33,21 @@ async function poll() {
 }
 
 function draw() {
-  $("model").textContent = "model " + state.model;
+  $("model").textContent = "model " + view.model;
   drawUnits();
   drawNow();
   drawJob();
   drawCharts();
   drawSwitches();
-  $("journal").textContent = state.journal || "(no runtime serves)";
+  $("journal").textContent = view.journal || "(no runtime serves)";
 }
 
 function drawUnits() {
   const table = $("units");
   table.querySelectorAll("tr.unit").forEach((r) => r.remove());
-  const busy = (state.job && !state.job.done) || state.switching_to;
+  const busy = (view.job && !view.job.done) || view.switching_to;
   const latest = works(samples[samples.length - 1]), rated = rates();
-  for (const u of state.units) {
+  for (const u of view.units) {
     const row = el("tr", { class: "unit", "data-runtime": u.runtime, "data-active": u.active });
     const name = el("td");
     name.append(el("span", { class: "dot " + u.active }), u.runtime + " ");
@@ -100,17 +100,17 @@ function drawNow() {
   const r = Object.values(rates());
   $("tps").textContent = r.length ? rate(r.reduce((x, y) => x + y, 0)) : "–";
   $("inflight").textContent = s && s.in_flight != null ? s.in_flight : "–";
-  $("held").textContent = state.held_now;
+  $("held").textContent = view.held_now;
   const h = $("health");
   h.textContent = !s ? "–" : s.healthy ? "ok" : s.switching ? "switching" : "down";
   h.className = !s ? "" : s.healthy ? "ok" : "bad";
-  $("age").textContent = "updated " + clock(state.now) + (s ? " · last sample " + clock(s.t) : "");
+  $("age").textContent = "updated " + clock(view.now) + (s ? " · last sample " + clock(s.t) : "");
 }
 
 function drawJob() {
   const box = $("job");
   box.replaceChildren();
-  const job = state.job;
+  const job = view.job;
   if (!job) return;
   const title = job.done ? (job.ok ? "switched to " : "switch failed: ") + job.target : "switching to " + job.target + "…";
   box.append(el("h2", { style: "margin-top:1rem" }, title));
@@ -132,8 +132,8 @@ async function startSwitch(runtime) {
 }
 
 function switchSpans() {
-  const spans = (state.switches || []).map((w) => [w.at - (w.seconds || 0), w.at]);
-  if (state.job && !state.job.done) spans.push([state.job.started, state.now]);
+  const spans = (view.switches || []).map((w) => [w.at - (w.seconds || 0), w.at]);
+  if (view.job && !view.job.done) spans.push([view.job.started, view.now]);
   return spans;
 }
 
@@ -152,7 +152,7 @@ function drawCharts() {
 
 function chart(pci, points) {
   // The last hour, or less when the samples begin later: the data fills the width.
-  const W = 1000, H = 180, L = 52, B = 18, t1 = state.now;
+  const W = 1000, H = 180, L = 52, B = 18, t1 = view.now;
   const t0 = Math.max(t1 - HOUR, Math.min(points[0][0], t1 - 60) - 5), span = t1 - t0;
   const top = Math.max(...points.map((p) => p[2] || p[1] || 0), 1);
   const x = (t) => L + ((t - t0) / span) * (W - L), y = (b) => H - B - (b / top) * (H - B - 8);
@@ -187,7 +187,7 @@ function chart(pci, points) {
 function drawSwitches() {
   const table = $("switches");
   table.querySelectorAll("tr.switch").forEach((r) => r.remove());
-  for (const w of [...(state.switches || [])].reverse()) {
+  for (const w of [...(view.switches || [])].reverse()) {
     const row = el("tr", { class: "switch" });
     row.append(el("td", {}, clock(w.at)), el("td", {}, (w.from || "–") + " → " + w.to), el("td", {}, secs(w.seconds)));
     const bar = el("div", { class: "bar", title: "" });

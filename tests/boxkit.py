@@ -211,11 +211,11 @@ def booted_box(
             time.sleep(0.05)
         box = Box(leader, root, console)
         wait = f"timeout {boot_timeout_s:g} systemctl is-system-running --wait"
-        state = box.run(wait, check=False, timeout=boot_timeout_s + 10).stdout.strip()
-        if state != "running":
+        system_state = box.run(wait, check=False, timeout=boot_timeout_s + 10).stdout.strip()
+        if system_state != "running":
             failed = box.run("systemctl --failed --no-legend", check=False).stdout
             raise AssertionError(
-                f"the box did not boot cleanly: {state!r}; failed units:\n{failed}\n"
+                f"the box did not boot cleanly: {system_state!r}; failed units:\n{failed}\n"
                 f"console:\n{_tail(console)}"
             )
         yield box

@@ -287,15 +287,15 @@ def appliance_on_cards(
     its config `text(proxy_port, backend_port)`; uninstalled, the manager stopped, after.
     `env`: more of the manager's environment, which its units and b70ctl see."""
     require_real_parts()
-    # Beside the models, not under /tmp: each runtime unit has a private /tmp, and its memory
-    # gate (ExecStartPre=) reads the cards from this tree.
+    # Beside the models, not under /tmp: each runtime unit has a private /tmp, and its GPU-memory
+    # guard (ExecStartPre=) reads the cards from this tree.
     from b70tools import gpu_trees
 
     tree_root = Path(tempfile.mkdtemp(prefix="test-sysroot-", dir=CACHE))
     tree = gpu_trees.healthy_host(tree_root, slots)
     try:
         with running_manager(root / "manager") as manager:
-            # The units' memory gates and b70ctl read the fixture cards.
+            # The units' GPU-memory guards and b70ctl read the fixture cards.
             for key, value in {"B70_SYSROOT": str(tree), **(env or {})}.items():
                 manager.systemctl("set-environment", f"{key}={value}")
                 manager.env[key] = value

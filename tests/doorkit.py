@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 
 from appliance.proxy import backend as proxy_backend
-from appliance.proxy import door as proxy_gate
+from appliance.proxy import door as proxy_door
 
 KEY = "sk-b70-right"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -90,14 +90,14 @@ class Inner:
 
 def door(
     runtime: Runtime | None = None, clock: Clock | None = None, limit: int = LIMIT
-) -> tuple[proxy_gate.Door, Inner]:
+) -> tuple[proxy_door.Door, Inner]:
     inner = Inner()
     backend = None
     if runtime is not None:
         transport = httpx.MockTransport(runtime.handle)
         backend = proxy_backend.Backend("http://runtime", clock or Clock(), transport)
-    gate = proxy_gate.Door(inner, backend, lambda: MODELS, lambda: KEY, max_body_bytes=limit)
-    return gate, inner
+    door_app = proxy_door.Door(inner, backend, lambda: MODELS, lambda: KEY, max_body_bytes=limit)
+    return door_app, inner
 
 
 class Answer:

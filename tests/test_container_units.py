@@ -2,7 +2,7 @@
 
 No docker engine runs here. The stand-in records every call the unit makes (cleanup before start,
 run, stop, rm) and runs the "container" as a real llama-server, so the whole unit - quoting of
-argv and Environment=, the health gate following the container's pid, the cleanup - runs for real.
+argv and Environment=, the health guard following the container's pid, the cleanup - runs for real.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from appliance import config as config_mod
-from appliance.layout import MONITOR_STATE, SAMPLES
+from appliance.layout import MONITOR_RECORD, SAMPLES
 from appliance.units import runtimes
 from tests.conftest import (
     GGUF,
@@ -127,7 +127,7 @@ def test_container_unit_runs_the_exact_argv_and_environment(
     verbs = [c["argv"][0] for c in made]
     # Preflight looks for the image and asks for the pids of the appliance's containers (their
     # GPU memory is the appliance's own); then the unit removes a stale container of the same
-    # name, runs it, and its health gate asks for the container's pid.
+    # name, runs it, and its health guard asks for the container's pid.
     assert made[0]["argv"] == ["image", "inspect", IMAGE]
     preflight = [c["argv"] for c in made[1 : verbs.index("rm")]]
     assert sorted(preflight) == [
@@ -170,10 +170,10 @@ def test_a_missing_image_is_refused_before_anything_changes(
 
 
 def switch_files(state: Path) -> dict[str, bytes]:
-    """The state files; not the monitor's own (its state and its ring of samples), which it
-    writes every few seconds."""
+    """The files in the state directory; not the monitor's own (its record and its ring of
+    samples), which it writes every few seconds."""
     return {
-        k: v for k, v in tree_snapshot(state).items() if not k.endswith((MONITOR_STATE, SAMPLES))
+        k: v for k, v in tree_snapshot(state).items() if not k.endswith((MONITOR_RECORD, SAMPLES))
     }
 
 
@@ -193,7 +193,7 @@ def test_a_stale_server_on_the_backend_port_is_named_and_refused(
         assert out.returncode == 1
         assert f"the backend port {app.backend_port} is held by pid {stale.pid}" in out.stderr
         assert "http.server" in out.stderr
-        # Started by hand, the unit's own gate refuses too: systemctl start fails.
+        # Started by hand, the unit's own port guard refuses too: systemctl start fails.
         by_hand = subprocess.run(
             ["systemctl", "--user", "start", "b70-llamacpp.service"],
             env=app.manager.env,
@@ -202,10 +202,10 @@ def test_a_stale_server_on_the_backend_port_is_named_and_refused(
         )
         assert by_hand.returncode != 0
         shown = app.manager.systemctl("show", "-p", "ActiveState,SubState,Result", "b70-llamacpp")
-        state = dict(line.split("=", 1) for line in shown.splitlines())
+        props = dict(line.split("=", 1) for line in shown.splitlines())
         # Restart=on-failure may already be waiting to try again; it never became active.
-        assert state["SubState"] in {"failed", "auto-restart"}, state
-        assert state["Result"] == "exit-code", state
+        assert props["SubState"] in {"failed", "auto-restart"}, props
+        assert props["Result"] == "exit-code", props
         app.manager.systemctl("stop", "b70-llamacpp.service")
     finally:
         stale.terminate()

@@ -12,7 +12,7 @@ import pytest
 
 from appliance.proxy import backend as proxy_backend
 from appliance.proxy import checks as proxy_checks
-from appliance.proxy import door as proxy_gate
+from appliance.proxy import door as proxy_door
 from tests.doorkit import AUTH, Clock, Runtime, call, chat, door
 
 # --- against the runtime's context --------------------------------------------------------------
@@ -21,8 +21,8 @@ from tests.doorkit import AUTH, Clock, Runtime, call, chat, door
 @pytest.mark.parametrize("engine", ["vllm", "llamacpp"])
 def test_max_tokens_beyond_the_context_of_the_serving_runtime_is_400(engine: str) -> None:
     runtime = Runtime(engine, context=2048)
-    gate, inner = door(runtime)
-    answer = call(gate, "POST", "/v1/chat/completions", chat(max_tokens=100000000), AUTH)
+    door_app, inner = door(runtime)
+    answer = call(door_app, "POST", "/v1/chat/completions", chat(max_tokens=100000000), AUTH)
     assert answer.status == 400
     name = {"vllm": "vLLM", "llamacpp": "llama.cpp"}[engine]
     assert answer.error["message"] == (
@@ -30,7 +30,7 @@ def test_max_tokens_beyond_the_context_of_the_serving_runtime_is_400(engine: str
         "2048 tokens for the prompt and the answer together"
     )
     assert answer.error["code"] == "integer_above_max_value"
-    assert call(gate, "POST", "/v1/chat/completions", chat(max_tokens=2048), AUTH).status == 200
+    assert call(door_app, "POST", "/v1/chat/completions", chat(max_tokens=2048), AUTH).status == 200
     assert len(inner.calls) == 1
     asked = [a for a in runtime.asked if "tokenize" not in a]
     assert asked.count("GET /v1/models") == 1, "asked once, and kept"
@@ -39,13 +39,19 @@ def test_max_tokens_beyond_the_context_of_the_serving_runtime_is_400(engine: str
 def test_a_runtime_that_cannot_say_lets_the_runtime_itself_judge() -> None:
     clock = Clock()
     runtime = Runtime("vllm", up=False)
-    gate, _ = door(runtime, clock)
-    assert call(gate, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 200
+    door_app, _ = door(runtime, clock)
+    assert (
+        call(door_app, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 200
+    )
     runtime.up = True
-    assert call(gate, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 200
+    assert (
+        call(door_app, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 200
+    )
     assert runtime.asked == ["GET /v1/models"], "not asked again before each request"
     clock.now += proxy_backend.FACTS_TTL_S + 1
-    assert call(gate, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 400
+    assert (
+        call(door_app, "POST", "/v1/chat/completions", chat(max_tokens=10**8), AUTH).status == 400
+    )
 
 
 def test_a_runtime_that_could_not_say_is_asked_again_beside_the_requests() -> None:
@@ -106,21 +112,23 @@ def test_a_server_that_answers_without_saying_is_not_asked_every_second(
 def test_a_kept_context_is_renewed_and_never_refuses_on_an_old_answer() -> None:
     clock = Clock()
     runtime = Runtime("llamacpp", context=1024)
-    gate, _ = door(runtime, clock)
+    door_app, _ = door(runtime, clock)
 
     async def scenario() -> list[int]:
         statuses = []
         for max_tokens in (1000, 2000):  # the first asks; the second is refused on a fresh answer
-            statuses.append(await acall(gate, chat(max_tokens=max_tokens)))
+            statuses.append(await acall(door_app, chat(max_tokens=max_tokens)))
         runtime.context = 4096  # a switch to a runtime with a longer context
         clock.now += 5
-        statuses.append(await acall(gate, chat(max_tokens=2000)))  # asked again before refusing
+        statuses.append(await acall(door_app, chat(max_tokens=2000)))  # asked again before refusing
         runtime.context = 512
         clock.now += proxy_backend.FACTS_TTL_S + 1
-        statuses.append(await acall(gate, chat(max_tokens=1000)))  # passes on the kept answer ...
+        statuses.append(
+            await acall(door_app, chat(max_tokens=1000))
+        )  # passes on the kept answer ...
         while runtime.asked.count("GET /props") < 3:  # ... which is renewed behind it
             await asyncio.sleep(0)
-        statuses.append(await acall(gate, chat(max_tokens=1000)))
+        statuses.append(await acall(door_app, chat(max_tokens=1000)))
         return statuses
 
     assert asyncio.run(scenario()) == [200, 400, 200, 200, 400]
@@ -151,9 +159,9 @@ async def acall(app: Any, body: bytes) -> int:
 @pytest.mark.parametrize("engine", ["vllm", "llamacpp"])
 def test_a_short_prompt_is_never_counted(engine: str) -> None:
     runtime = Runtime(engine, context=2048)
-    gate, _ = door(runtime, limit=proxy_gate.DEFAULT_MAX_BODY_BYTES)
+    door_app, _ = door(runtime, limit=proxy_door.DEFAULT_MAX_BODY_BYTES)
     text = "x" * (2048 - proxy_backend.TEMPLATE_SLACK - 200)
-    assert call(gate, "POST", "/v1/chat/completions", chat(messages=[
+    assert call(door_app, "POST", "/v1/chat/completions", chat(messages=[
         {"role": "user", "content": text}]), AUTH).status == 200  # fmt: skip
     assert not [a for a in runtime.asked if "tokenize" in a or "template" in a]
 
@@ -166,13 +174,13 @@ def test_a_long_prompt_is_counted_by_the_runtime_and_refused_only_when_over(
     engine: str, asks: list[str]
 ) -> None:
     runtime = Runtime(engine, context=1024)
-    gate, inner = door(runtime, limit=1 << 20)
+    door_app, inner = door(runtime, limit=1 << 20)
     fits = chat(messages=[{"role": "user", "content": "x" * 3000}])  # 750 tokens at 4 bytes
     assert len(fits) > 1024
-    assert call(gate, "POST", "/v1/chat/completions", fits, AUTH).status == 200
+    assert call(door_app, "POST", "/v1/chat/completions", fits, AUTH).status == 200
     assert [a for a in runtime.asked if a.startswith("POST")] == asks
     too_long = chat(messages=[{"role": "user", "content": "x" * 900}] * 5)
-    answer = call(gate, "POST", "/v1/chat/completions", too_long, AUTH)
+    answer = call(door_app, "POST", "/v1/chat/completions", too_long, AUTH)
     assert answer.status == 400
     assert answer.error["code"] == "context_length_exceeded"
     assert answer.error["param"] == "messages"
@@ -183,11 +191,11 @@ def test_a_long_prompt_is_counted_by_the_runtime_and_refused_only_when_over(
 @pytest.mark.parametrize("engine", ["vllm", "llamacpp"])
 def test_completion_prompts_are_counted_one_by_one(engine: str) -> None:
     runtime = Runtime(engine, context=1024)
-    gate, _ = door(runtime, limit=1 << 20)
+    door_app, _ = door(runtime, limit=1 << 20)
 
     def completion(prompt: Any) -> int:
         body = json.dumps({"model": "smollm2", "prompt": prompt}).encode()
-        answer = call(gate, "POST", "/v1/completions", body, AUTH)
+        answer = call(door_app, "POST", "/v1/completions", body, AUTH)
         return answer.status
 
     def counted() -> int:
@@ -206,25 +214,25 @@ def test_completion_prompts_are_counted_one_by_one(engine: str) -> None:
 def test_a_runtime_that_cannot_count_lets_the_prompt_through() -> None:
     runtime = Runtime("vllm", context=1024)
     runtime.can_count = False
-    gate, _ = door(runtime, limit=1 << 20)
+    door_app, _ = door(runtime, limit=1 << 20)
     long = chat(messages=[{"role": "user", "content": "x" * 8000}])
-    assert call(gate, "POST", "/v1/chat/completions", long, AUTH).status == 200
+    assert call(door_app, "POST", "/v1/chat/completions", long, AUTH).status == 200
     assert "POST /tokenize" in runtime.asked
 
 
 def test_a_prompt_far_over_is_refused_without_counting() -> None:
     runtime = Runtime("vllm", context=100)
-    gate, _ = door(runtime, limit=1 << 20)
+    door_app, _ = door(runtime, limit=1 << 20)
     text = "x" * (101 * proxy_checks.MAX_TOKEN_BYTES)
-    answer = call(gate, "POST", "/v1/chat/completions", chat(messages=[
+    answer = call(door_app, "POST", "/v1/chat/completions", chat(messages=[
         {"role": "assistant", "content": "y"}, {"role": "user", "content": text}]), AUTH)  # fmt: skip
     assert answer.status == 400
     assert answer.error["message"].startswith("this prompt is at least 101 tokens, more than")
     body = json.dumps({"model": "smollm2", "prompt": ["a", text]}).encode()
-    assert call(gate, "POST", "/v1/completions", body, AUTH).status == 400
+    assert call(door_app, "POST", "/v1/completions", body, AUTH).status == 400
     assert not [a for a in runtime.asked if a.startswith("POST")]
     # Only the users' messages count towards the bound: a template may drop earlier answers.
-    answer = call(gate, "POST", "/v1/chat/completions", chat(messages=[
+    answer = call(door_app, "POST", "/v1/chat/completions", chat(messages=[
         {"role": "assistant", "content": text}, {"role": "user", "content": "hi"}]), AUTH)  # fmt: skip
     assert answer.status == 400, "counted by the runtime instead"
     assert runtime.asked[-1] == "POST /tokenize"
@@ -232,11 +240,11 @@ def test_a_prompt_far_over_is_refused_without_counting() -> None:
 
 def test_a_prompt_with_images_is_left_to_the_runtime() -> None:
     runtime = Runtime("vllm", context=100)
-    gate, _ = door(runtime, limit=1 << 20)
+    door_app, _ = door(runtime, limit=1 << 20)
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 2000}}
     content = [{"type": "text", "text": "what is it?"}, image]
     body = chat(messages=[{"role": "user", "content": content}])
-    assert call(gate, "POST", "/v1/chat/completions", body, AUTH).status == 200
+    assert call(door_app, "POST", "/v1/chat/completions", body, AUTH).status == 200
     assert not [a for a in runtime.asked if a.startswith("POST")]
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from appliance import hold
-from appliance.proxy import door as proxy_gate
+from appliance.proxy import door as proxy_door
 from appliance.proxy import mount, relay, waiting
 from tests.doorkit import AUTH, KEY, LIMIT, MODELS, Clock, call, chat
 
@@ -75,8 +75,8 @@ class Ready:
         return waited
 
 
-def replaying(inner: Any, ready: Ready, clock: Clock, hold_s: float = 60) -> proxy_gate.Door:
-    return proxy_gate.Door(
+def replaying(inner: Any, ready: Ready, clock: Clock, hold_s: float = 60) -> proxy_door.Door:
+    return proxy_door.Door(
         inner, None, lambda: MODELS, lambda: KEY, max_body_bytes=LIMIT, wait_ready=ready,
         hold_s=hold_s, clock=clock,
     )  # fmt: skip
@@ -154,7 +154,7 @@ def test_other_failures_and_begun_answers_pass_as_they_are() -> None:
 
 def test_without_a_hold_nothing_is_kept_back() -> None:
     inner = Failing(fails=1)
-    app = proxy_gate.Door(inner, None, lambda: MODELS, lambda: KEY, max_body_bytes=LIMIT)
+    app = proxy_door.Door(inner, None, lambda: MODELS, lambda: KEY, max_body_bytes=LIMIT)
     answer = call(app, "POST", "/v1/chat/completions", chat(), AUTH)
     assert (answer.status, answer.body, len(inner.bodies)) == (500, REFUSED, 1)
 
@@ -167,7 +167,7 @@ def test_the_hold_time_comes_from_the_environment(value: str, hold_s: float) -> 
 
 
 def test_a_request_let_through_is_open_until_its_answer_ends(tmp_path: Any) -> None:
-    """The door gives each request to the model a ticket; the hold's gate opens it when it lets
+    """The door gives each request to the model a ticket; the turnstile opens it when it lets
     the request through (here: the app, in LiteLLM's place), the door closes it at the end."""
     counts = hold.OpenRequests(tmp_path)
     seen: list[int | None] = []
@@ -222,8 +222,8 @@ class Holding:
         return 0.0
 
 
-def fast_door(inner: Any, holding: Holding) -> proxy_gate.Door:
-    return proxy_gate.Door(
+def fast_door(inner: Any, holding: Holding) -> proxy_door.Door:
+    return proxy_door.Door(
         inner, None, lambda: MODELS, lambda: KEY, max_body_bytes=LIMIT,
         wait_ready=Ready(Clock(), []), hold_s=60, clock=Clock(), hold=holding,
     )  # fmt: skip

@@ -1,5 +1,5 @@
 """Container engines for real: a llama.cpp runtime in a container beside a native one, under a
-real user manager, on a fixture B70 (the units' memory gates read it). Each test runs once with
+real user manager, on a fixture B70 (the units' GPU-memory guards read it). Each test runs once with
 Debian 12's podman and once with Debian 12's docker (docker.io).
 
 The image is built here by scripts/fetch-runtime-image (a minbase Debian 12 tree and the cached
@@ -55,7 +55,7 @@ PODMAN = shutil.which("podman") or "/usr/bin/podman"
 DOCKER = "/usr/bin/docker"
 DOCKERD = shutil.which("dockerd") or "/usr/sbin/dockerd"
 LIMIT = 4096  # open files and processes of the container
-GATE_WAIT_S = 5  # [gpu] release_timeout_s: how long the memory gate waits before it gives up
+RELEASE_WAIT_S = 5  # [gpu] release_timeout_s: how long the GPU-memory guard waits, then gives up
 
 
 @dataclass
@@ -216,7 +216,7 @@ probe_completion = false
 
 [gpu]
 memory_needed_gib = 2
-release_timeout_s = {GATE_WAIT_S}
+release_timeout_s = {RELEASE_WAIT_S}
 
 [runtimes.llamacpp]
 engine = "llamacpp"
@@ -273,10 +273,11 @@ def started_engine(launcher: str, image: str) -> Iterator[Engine]:
             yield engine
 
 
-def unit_state(app: Appliance, unit: str) -> tuple[str, str]:
+def active_and_sub(app: Appliance, unit: str) -> tuple[str, str]:
+    """The unit's ActiveState and SubState, as `systemctl show` gives them."""
     shown = app.manager.systemctl("show", "-p", "ActiveState,SubState", unit)
-    state = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
-    return state.get("ActiveState", ""), state.get("SubState", "")
+    props = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+    return props.get("ActiveState", ""), props.get("SubState", "")
 
 
 def hard_limit(pid: int, name: str) -> int:
@@ -324,7 +325,7 @@ def test_the_container_serves_the_model_through_the_proxy(engine_app: EngineApp)
     grown = llamacpp_counter(app.backend_port, "tokens_predicted_total") - before
     assert grown >= reply.usage.completion_tokens
     log = app.b70ctl("logs", e.runtime, "-n", "5000").stdout  # llama-server says a lot
-    assert f"answers from pid {live_pid(app, e.unit)}" in log  # the unit's health gate
+    assert f"answers from pid {live_pid(app, e.unit)}" in log  # the unit's health guard
 
 
 def test_a_switch_to_the_container_and_away_leaves_no_container(engine_app: EngineApp) -> None:
@@ -335,7 +336,7 @@ def test_a_switch_to_the_container_and_away_leaves_no_container(engine_app: Engi
     assert e.containers() == {e.container: "running"}
     app.b70ctl("switch", "llamacpp", check=True)
     assert e.containers() == {}
-    assert unit_state(app, e.unit)[0] == "inactive"
+    assert active_and_sub(app, e.unit)[0] == "inactive"
     assert app.json("status")["result"]["active_runtime"] == "llamacpp"
     assert app.ask().strip()
     # Once more: a container left behind under its name would make this start fail.
@@ -365,12 +366,12 @@ def test_the_container_killed_under_load_loses_no_request(engine_app: EngineApp)
     assert e.containers() == {}
 
 
-def test_the_memory_gate_refuses_the_container_and_the_native_runtime_serves_again(
+def test_the_memory_guard_refuses_the_container_and_the_native_runtime_serves_again(
     engine_app: EngineApp,
 ) -> None:
     """Between the switch's preflight and the container's start, a foreign process takes the
-    card's memory: the unit's own gate (ExecStartPre) waits, gives up, and the switch rolls back.
-    Here b70ctl reads the idle fixture card and the units a busy one."""
+    card's memory: the unit's own GPU-memory guard (ExecStartPre) waits, gives up, and the
+    switch rolls back. Here b70ctl reads the idle fixture card and the units a busy one."""
     app, e = engine_app.app, engine_app.engine
     app.b70ctl("switch", "llamacpp", check=True)
     t = gpu_trees
@@ -391,24 +392,24 @@ def test_the_memory_gate_refuses_the_container_and_the_native_runtime_serves_aga
     assert "rolled back: llamacpp is serving again" in out.stderr
     log = app.b70ctl("logs", e.runtime, "-n", "100").stdout
     assert (
-        f"GPU memory was not free within {GATE_WAIT_S} s: 0000:03:00.0: 0.3 GiB free of 32.0 GiB"
+        f"GPU memory was not free within {RELEASE_WAIT_S} s: 0000:03:00.0: 0.3 GiB free of 32.0 GiB"
         ", need 2.0 GiB; held by pid 5151 (python3 train.py --epochs 3) in session-3.scope"
     ) in log, log[-3000:]
-    assert e.containers() == {}, "the container ran though its gate refused it"
+    assert e.containers() == {}, "the container ran though its guard refused it"
     assert app.json("status")["result"]["active_runtime"] == "llamacpp"
     assert app.ask().strip()
 
 
 class PortTaker(threading.Thread):
     """Takes the backend port the moment the native runtime lets go of it, and listens there
-    until the container's unit has left its ExecStartPre (its port gate refused it)."""
+    until the container's unit has left its ExecStartPre (its port guard refused it)."""
 
     def __init__(self, app: Appliance, unit: str) -> None:
         super().__init__(daemon=True)
         self.app = app
         self.unit = unit
         self.held_at: float | None = None
-        self.saw_gate = False
+        self.saw_guard = False
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -426,19 +427,19 @@ class PortTaker(threading.Thread):
             sock.listen()
             self.held_at = time.monotonic()
             while not self.stop.is_set() and time.monotonic() < deadline:
-                sub = unit_state(self.app, self.unit)[1]
+                sub = active_and_sub(self.app, self.unit)[1]
                 if sub == "start-pre":
-                    self.saw_gate = True
-                elif self.saw_gate:
-                    return  # the gate has given up: the port is the rollback's
+                    self.saw_guard = True
+                elif self.saw_guard:
+                    return  # the guard has given up: the port is the rollback's
                 time.sleep(0.05)
 
 
-def test_the_port_gate_refuses_the_container_and_the_native_runtime_serves_again(
+def test_the_port_guard_refuses_the_container_and_the_native_runtime_serves_again(
     engine_app: EngineApp,
 ) -> None:
     """The native runtime stops, and another process takes its port before the container
-    starts: the unit's gate (ExecStartPre) names it and refuses, no container runs, and the
+    starts: the unit's port guard (ExecStartPre) names it and refuses, no container runs, and the
     switch rolls back to the native runtime once the port is free again."""
     app, e = engine_app.app, engine_app.engine
     app.b70ctl("switch", "llamacpp", check=True)
@@ -449,7 +450,7 @@ def test_the_port_gate_refuses_the_container_and_the_native_runtime_serves_again
     finally:
         taker.stop.set()
         taker.join()
-    assert taker.held_at is not None and taker.saw_gate
+    assert taker.held_at is not None and taker.saw_guard
     assert out.returncode == 1, out.stderr
     assert "rolled back: llamacpp is serving again" in out.stderr
     log = app.b70ctl("logs", e.runtime, "-n", "100").stdout

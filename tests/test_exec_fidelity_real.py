@@ -135,7 +135,7 @@ def test_argv_and_environment_reach_the_process_byte_for_byte(
         rt = cfg.runtimes["t"]
         assert rt.args == tuple(args) and dict(rt.env) == env and rt.model == model
         unit_text = render.render_runtime_unit(cfg, rt, lay)
-        # The rendered unit's own lines, around the recorder: no gates, no health wait.
+        # The rendered unit's own lines, around the recorder: no guards, no health wait.
         kept = [
             line
             for line in unit_text.splitlines()

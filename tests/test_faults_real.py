@@ -367,7 +367,7 @@ def test_a_full_file_system_under_the_state_directory_changes_nothing(
     """The state directory on a full file system, for b70ctl and in the user manager's own mount
     namespace (where the monitor, restarted, sees it). A switch is refused before it changes
     anything, with an error that names the directory; the appliance keeps serving; `status`
-    works, and the monitor says that it cannot save its state and goes on; once there is room,
+    works, and the monitor says that it cannot save its record and goes on; once there is room,
     the next switch works."""
     import shutil
 
@@ -394,7 +394,7 @@ def test_a_full_file_system_under_the_state_directory_changes_nothing(
         status = appliance.json("status")
         assert status["ok"] and status["result"]["active_runtime"] == "llamacpp"
         deadline = time.monotonic() + 60
-        while "cannot save the monitor's state" not in (log := monitor_log(appliance)):
+        while "cannot save the monitor's record" not in (log := monitor_log(appliance)):
             assert time.monotonic() < deadline, f"the monitor never met the full directory:\n{log}"
             time.sleep(1)
         show = appliance.manager.systemctl("show", "-p", "ActiveState,NRestarts", "b70-monitor")

@@ -1,4 +1,4 @@
-"""GPU memory readers and gates on fixture trees in the kernel's formats."""
+"""GPU memory readers, and whether a runtime fits, on fixture trees in the kernel's formats."""
 
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ import pytest
 
 from appliance.errors import ApplianceError
 from appliance.host import gpu
-from appliance.host.gpu import fdinfo, xe
-from appliance.host.gpu import fit as memgate
+from appliance.host.gpu import fdinfo, fit, xe
 from b70tools import gpu_trees as t
 from tests.test_gpu_commands import b70ctl
 
@@ -121,7 +120,7 @@ def test_idle_b70(tree: Path) -> None:
     assert mem.device.is_b70 and mem.device.name == "Intel Arc Pro B70"
     assert (mem.total_bytes, mem.used_bytes, mem.source) == (32 * GIB, 300 * 1024**2, "xe-query")
     assert mem.holders == []
-    assert memgate.judge_start(snap, "auto", 24 * GIB, "b70-vllm.service").ok
+    assert fit.judge_start(snap, "auto", 24 * GIB, "b70-vllm.service").ok
 
 
 def test_b70_with_llama_server_holding_22_gib(tree: Path) -> None:
@@ -134,31 +133,31 @@ def test_b70_with_llama_server_holding_22_gib(tree: Path) -> None:
     assert holder.command is not None and holder.command.startswith(
         "/opt/llama.cpp/bin/llama-server --model"
     )
-    start = memgate.judge_start(snap, "auto", 24 * GIB, "b70-vllm.service")
+    start = fit.judge_start(snap, "auto", 24 * GIB, "b70-vllm.service")
     assert not start.ok
     assert start.reason == (
         "still held by pid 4242 (/opt/llama.cpp/bin/llama-server --model /srv/b70/models/q.gguf -ngl 99) "
         "in b70-llamacpp.service: 22.0 GiB"
     )
     # The runtime's own memory does not count against itself (a restart of the same unit).
-    assert memgate.judge_start(snap, "auto", 8 * GIB, "b70-llamacpp.service").ok
+    assert fit.judge_start(snap, "auto", 8 * GIB, "b70-llamacpp.service").ok
     # A switch is fine: the appliance's own memory is released when the runtime stops.
-    assert memgate.judge_switch(snap, "auto", 26 * GIB, set()).ok
+    assert fit.judge_switch(snap, "auto", 26 * GIB, set()).ok
 
 
 def test_a_foreign_holder_is_named_and_refused(tree: Path) -> None:
     card = t.Card(t.B70, vram_used=20 * GIB + 300 * 1024**2)
     t.build(tree, [card], [t.foreign()])
     snap = gpu.snapshot(tree)
-    verdict = memgate.judge_switch(snap, "auto", 24 * GIB, set())
+    verdict = fit.judge_switch(snap, "auto", 24 * GIB, set())
     assert not verdict.ok
     assert verdict.reason == (
         "0000:03:00.0: only 11.7 GiB of 32.0 GiB would be free for 24.0 GiB; outside the appliance: "
         "pid 5151 (python3 train.py --epochs 3) in session-3.scope: 20.0 GiB"
     )
-    assert memgate.judge_switch(snap, "auto", 10 * GIB, set()).ok
+    assert fit.judge_switch(snap, "auto", 10 * GIB, set()).ok
     # A container of the appliance lives outside b70 units: its pids are passed in as ours.
-    assert memgate.judge_switch(snap, "auto", 24 * GIB, {5151}).ok
+    assert fit.judge_switch(snap, "auto", 24 * GIB, {5151}).ok
 
 
 def test_two_b70s(tree: Path) -> None:
@@ -174,10 +173,10 @@ def test_two_b70s(tree: Path) -> None:
     assert [m.device.pci_slot for m in snap.devices] == [t.B70, t.B70_2]
     assert [[h.pid for h, _ in m.holders] for m in snap.devices] == [[4242], [6000]]
     assert [m.device.render_node for m in snap.devices] == ["renderD128", "renderD129"]
-    assert memgate.pick_device(snap, "auto").device.pci_slot == t.B70  # type: ignore[union-attr]
-    assert memgate.pick_device(snap, t.B70_2).device.pci_slot == t.B70_2  # type: ignore[union-attr]
+    assert fit.pick_device(snap, "auto").device.pci_slot == t.B70  # type: ignore[union-attr]
+    assert fit.pick_device(snap, t.B70_2).device.pci_slot == t.B70_2  # type: ignore[union-attr]
     with pytest.raises(ApplianceError, match=r"no Intel GPU at PCI address 0000:04:00\.0"):
-        memgate.pick_device(snap, "0000:04:00.0")
+        fit.pick_device(snap, "0000:04:00.0")
 
 
 def test_an_i915_and_an_amdgpu_card_beside_the_b70(tree: Path) -> None:
@@ -203,7 +202,7 @@ def test_an_i915_and_an_amdgpu_card_beside_the_b70(tree: Path) -> None:
     assert (i915.total_bytes, i915.source) == (None, "fdinfo")
     assert b70.total_bytes == 32 * GIB
     assert [d.driver for d in snap.ignored] == ["amdgpu"]
-    assert memgate.pick_device(snap, "auto") is b70
+    assert fit.pick_device(snap, "auto") is b70
 
 
 def test_garbage_fdinfo_lines_are_skipped(tree: Path) -> None:

@@ -1,4 +1,4 @@
-"""`b70ctl gpu` and the memory gate's waits on fixture trees in the kernel's formats."""
+"""`b70ctl gpu` and the waits for GPU memory on fixture trees in the kernel's formats."""
 
 import json
 import shutil
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from appliance.host.gpu import fit as memgate
+from appliance.host.gpu import fit
 from b70tools import gpu_trees as t
 from b70tools.net import free_port
 from tests.conftest import B70CTL
@@ -129,7 +129,7 @@ def test_wait_start_counts_polls(tree: Path) -> None:
             (tree / "dev" / "dri" / "renderD128").write_bytes(t.mem_regions_reply(card))
 
     logged: list[str] = []
-    verdict = memgate.wait_start(
+    verdict = fit.wait_start(
         tree,
         ("auto",),
         24 * GIB,
@@ -160,13 +160,13 @@ def test_wait_free_times_out_naming_the_holder(tree: Path) -> None:
     assert "hint: `b70ctl gpu` shows who holds it" in out.stderr
 
 
-def test_the_units_gate_waits_for_gpu_memory_before_it_looks_at_the_port(tree: Path) -> None:
+def test_the_units_guard_waits_for_gpu_memory_before_it_looks_at_the_port(tree: Path) -> None:
     """`b70ctl unit pre`, every runtime unit's ExecStartPre=, does what `gpu wait-free` does
     first, in the same process; the port comes second."""
     t.build(tree, [t.Card(t.B70, vram_used=20 * GIB)], [t.foreign()])
-    gate = ["unit", "pre", "--root", str(tree), "--device", "auto"]
+    guard = ["unit", "pre", "--root", str(tree), "--device", "auto"]
     out = b70ctl(
-        *gate, "--port", str(free_port()), "--need-bytes", str(24 * GIB), "--gpu-timeout", "0"
+        *guard, "--port", str(free_port()), "--need-bytes", str(24 * GIB), "--gpu-timeout", "0"
     )
     assert out.returncode == 1
     assert "error: GPU memory was not free within 0 s: 0000:03:00.0: 12.0 GiB free" in out.stderr
@@ -174,9 +174,11 @@ def test_the_units_gate_waits_for_gpu_memory_before_it_looks_at_the_port(tree: P
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = str(held.getsockname()[1])
-        fits = b70ctl(*gate, "--port", port, "--need-bytes", str(GIB), "--wait", "0")
+        fits = b70ctl(*guard, "--port", port, "--need-bytes", str(GIB), "--wait", "0")
     assert fits.returncode == 1
-    assert "GPU memory: 0000:03:00.0: 12.0 GiB free" in fits.stderr, "the memory gate came first"
+    assert "GPU memory: 0000:03:00.0: 12.0 GiB free" in fits.stderr, (
+        "the GPU-memory guard came first"
+    )
     assert f"error: port {port} is in use by" in fits.stderr
 
 

@@ -1,4 +1,4 @@
-"""The monitor: its state across restarts, and b70-monitor.service on the real stack (its
+"""The monitor: its record across restarts, and b70-monitor.service on the real stack (its
 policy is tested in tests/test_plans.py)."""
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def test_metrics_match_the_known_state(watched: tuple[Appliance, Path, int]) -> None:
+def test_metrics_match_what_the_monitor_knows(watched: tuple[Appliance, Path, int]) -> None:
     app, _, port = watched
     wait_for(lambda: scrape(port).get(FLAKY_UP) == 1.0, 30, "a healthy sample")
     m = scrape(port)

@@ -89,8 +89,8 @@ def test_native_vllm_on_two_cards_runs_tensor_parallel_under_one_affinity_mask()
     start = unit_lines(unit, "ExecStart")[0]
     assert "--tensor-parallel-size 2" in start
     assert "cards 0-1 (0000:03:00.0, 0000:07:00.0)" in unit_lines(unit, "Description")[0]
-    gate = unit_lines(unit, "ExecStartPre")[0]
-    assert "--device 0000:03:00.0 --device 0000:07:00.0 " in gate
+    guard = unit_lines(unit, "ExecStartPre")[0]
+    assert "--device 0000:03:00.0 --device 0000:07:00.0 " in guard
 
 
 def test_llamacpp_gets_the_sycl_selector_and_one_card_no_tensor_parallel() -> None:
@@ -330,7 +330,7 @@ def test_random_placements_conflict_exactly_where_cards_intersect(
     assert analyze_verify(verify_root(tmp_path, files), units) == ""
 
 
-def test_the_memory_gate_says_no_when_any_of_the_cards_is_short(tmp_path: Path) -> None:
+def test_a_runtime_does_not_fit_when_any_of_its_cards_is_short(tmp_path: Path) -> None:
     from appliance.host import gpu
 
     gib = 1024**3
@@ -417,8 +417,8 @@ def test_the_four_card_example_renders_and_verifies_on_a_four_b70_host(
     assert env_of(tp)["ZE_AFFINITY_MASK"] == "0,1,2,3"
     assert env_of(vision)["ONEAPI_DEVICE_SELECTOR"] == "level_zero:3"
     assert unit_lines(tp, "Conflicts") == ["b70-llamacpp.service"]
-    gate = unit_lines(tp, "ExecStartPre")[1]
-    assert [gate.split()[i + 1] for i, w in enumerate(gate.split()) if w == "--device"] == slots
+    guard = unit_lines(tp, "ExecStartPre")[1]
+    assert [guard.split()[i + 1] for i, w in enumerate(guard.split()) if w == "--device"] == slots
     assert "cards 0-3" in unit_lines(tp, "Description")[0]
     root = verify_root(tmp_path, files)
     assert "opt/llama.cpp/bin/llama-server" in STUB_EXECUTABLES
@@ -428,7 +428,7 @@ def test_the_four_card_example_renders_and_verifies_on_a_four_b70_host(
 
 def test_a_switchs_preflight_judges_the_targets_own_cards(tmp_path: Path) -> None:
     """A foreign holder on the target's second card is found by the preflight, before the old
-    runtime is stopped, not first by the unit's memory gate after it ([gpu] device is the first
+    runtime is stopped, not first by the unit's GPU-memory guard after it ([gpu] device is the first
     card, which is free)."""
     from appliance.host import gpu
     from appliance.switch.preflight import memory_verdicts

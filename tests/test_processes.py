@@ -221,10 +221,10 @@ def unit_pre(port: int, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_units_gate_names_a_connection_that_holds_the_port(
+def test_the_units_guard_names_a_connection_that_holds_the_port(
     connection_end: tuple[int, int, socket.socket, socket.socket],
 ) -> None:
-    """Nothing listens on the port, but the runtime could not bind it: the gate says what holds
+    """Nothing listens on the port, but the runtime could not bind it: the guard says what holds
     it, and where the kernel's range for outgoing connections is, how to keep out of it."""
     port, server, _, _ = connection_end
     out = unit_pre(port, "--wait", "0")
@@ -240,22 +240,22 @@ def test_the_units_gate_names_a_connection_that_holds_the_port(
         assert f"net.ipv4.ip_local_reserved_ports={port}" in out.stderr
 
 
-def test_the_units_gate_waits_for_that_connection_to_close(
+def test_the_units_guard_waits_for_that_connection_to_close(
     connection_end: tuple[int, int, socket.socket, socket.socket],
 ) -> None:
     port, _, client, accepted = connection_end
-    gate = subprocess.Popen(
+    guard = subprocess.Popen(
         [*unit_pre_argv(port), "--wait", "20"], stderr=subprocess.PIPE, text=True
     )
     try:
         time.sleep(0.5)
-        assert gate.poll() is None, "the gate waits while the port is held"
+        assert guard.poll() is None, "the guard waits while the port is held"
         # The server's end closes first, as a runtime's does: the client's end leaves no
         # TIME_WAIT on the port.
         accepted.close()
         client.recv(1)
         client.close()
-        assert gate.wait(timeout=20) == 0, gate.stderr.read() if gate.stderr else ""
+        assert guard.wait(timeout=20) == 0, guard.stderr.read() if guard.stderr else ""
     finally:
-        gate.kill()
-        gate.wait()
+        guard.kill()
+        guard.wait()

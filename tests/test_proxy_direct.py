@@ -234,10 +234,10 @@ def test_the_request_timeout_bounds_each_wait_not_a_long_stream() -> None:
         return script
 
     client = Client()
-    assert relay(Runtime(slow(6, 0.1)), client, limit_s=0.3) == direct.ANSWERED
+    assert relay(Runtime(slow(6, 0.04)), client, limit_s=0.15) == direct.ANSWERED
     assert client.body == b"data: 1\n\n" * 6 and client.finished
     client = Client()
-    assert relay(Runtime(slow(2, 0.05, then_silent=True)), client, limit_s=0.3) == direct.ANSWERED
+    assert relay(Runtime(slow(2, 0.02, then_silent=True)), client, limit_s=0.15) == direct.ANSWERED
     assert client.body == b"data: 1\n\n" * 2 and not client.finished
 
 
@@ -246,7 +246,7 @@ def test_a_runtime_silent_past_the_request_timeout_is_a_504() -> None:
         await asyncio.sleep(30)
 
     client = Client()
-    assert relay(Runtime(silent), client, limit_s=0.2) == direct.ANSWERED
+    assert relay(Runtime(silent), client, limit_s=0.1) == direct.ANSWERED
     assert client.status == 504
     error = json.loads(client.body)["error"]
-    assert error["code"] == "b70_runtime_timeout" and "0.2 s" in error["message"]
+    assert error["code"] == "b70_runtime_timeout" and "0.1 s" in error["message"]

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from appliance.proxy import backend, mount
-from appliance.proxy import door as proxy_gate
+from appliance.proxy import door as proxy_door
 from tests.doorkit import AUTH, KEY, LIMIT, MODELS, Inner, call, chat, door
 
 # --- routes -------------------------------------------------------------------------------------
@@ -51,9 +51,9 @@ CLOSED = [
 def test_every_other_path_is_404_with_or_without_the_key(
     path: str, headers: dict[str, str]
 ) -> None:
-    gate, inner = door()
+    door_app, inner = door()
     for method in ("GET", "POST", "DELETE"):
-        answer = call(gate, method, path, chat(), headers)
+        answer = call(door_app, method, path, chat(), headers)
         assert answer.status == 404, (method, path)
         assert answer.headers["content-type"] == "application/json"
         assert answer.error["code"] == "not_found"
@@ -63,46 +63,46 @@ def test_every_other_path_is_404_with_or_without_the_key(
 
 @pytest.mark.parametrize(("method", "path"), ALLOWED)
 def test_the_allowed_routes_reach_litellm(method: str, path: str) -> None:
-    gate, inner = door()
+    door_app, inner = door()
     body = {"POST": chat(prompt="hi"), "GET": b""}[method]
-    answer = call(gate, method, path, body, AUTH)
+    answer = call(door_app, method, path, body, AUTH)
     assert answer.status == 200, answer.body
     assert inner.calls[0][0] == path
 
 
 def test_an_allowed_path_with_another_method_is_405() -> None:
-    gate, inner = door()
-    answer = call(gate, "GET", "/v1/chat/completions", headers=AUTH)
+    door_app, inner = door()
+    answer = call(door_app, "GET", "/v1/chat/completions", headers=AUTH)
     assert answer.status == 405
     assert answer.headers["allow"] == "OPTIONS, POST"
-    assert call(gate, "POST", "/v1/models/smollm2", chat(), AUTH).status == 405
+    assert call(door_app, "POST", "/v1/models/smollm2", chat(), AUTH).status == 405
     assert inner.calls == []
 
 
 def test_any_model_path_passes_while_the_served_names_are_not_known() -> None:
     inner = Inner()
-    gate = proxy_gate.Door(inner, None, lambda: None, lambda: KEY)
-    assert call(gate, "GET", "/v1/models/anything", headers=AUTH).status == 200
-    assert call(gate, "GET", "/v1/models/a/b", headers=AUTH).status == 404
+    door_app = proxy_door.Door(inner, None, lambda: None, lambda: KEY)
+    assert call(door_app, "GET", "/v1/models/anything", headers=AUTH).status == 200
+    assert call(door_app, "GET", "/v1/models/a/b", headers=AUTH).status == 404
 
 
 def test_the_route_table_is_the_appliances() -> None:
     """Beside these, GET /v1/models/{name} for the names served (tests/test_door_real.py walks
     every route LiteLLM registers against the running proxy)."""
-    assert set(proxy_gate.ROUTES) == {
+    assert set(proxy_door.ROUTES) == {
         "/chat/completions", "/v1/chat/completions", "/completions", "/v1/completions",
         "/models", "/v1/models", "/health/liveliness", "/health/liveness", "/health/readiness",
     }  # fmt: skip
 
 
 def test_probes_need_no_key_and_everything_else_does() -> None:
-    gate, inner = door()
-    assert call(gate, "GET", "/health/liveliness").status == 200
+    door_app, inner = door()
+    assert call(door_app, "GET", "/health/liveliness").status == 200
     for method, path in ALLOWED:
         if path.startswith("/health"):
             continue
         for headers, says in (({}, "no API key"), ({"authorization": "Bearer no"}, "not the")):
-            answer = call(gate, method, path, chat(), headers)
+            answer = call(door_app, method, path, chat(), headers)
             assert answer.status == 401, path
             assert answer.headers["www-authenticate"] == "Bearer"
             assert says in answer.error["message"]
@@ -113,16 +113,16 @@ def test_probes_need_no_key_and_everything_else_does() -> None:
 
 def test_a_root_path_is_routed_as_starlette_routes_it() -> None:
     scope = {"path": "/api/v1/models", "root_path": "/api"}
-    assert proxy_gate.route_path(scope) == "/v1/models"
-    assert proxy_gate.route_path({"path": "/apiv1/models", "root_path": "/api"}) == "/apiv1/models"
+    assert proxy_door.route_path(scope) == "/v1/models"
+    assert proxy_door.route_path({"path": "/apiv1/models", "root_path": "/api"}) == "/apiv1/models"
 
 
 # --- the body -----------------------------------------------------------------------------------
 
 
 def test_a_declared_length_over_the_limit_is_413_before_the_body_is_read() -> None:
-    gate, inner = door()
-    answer = call(gate, "POST", "/v1/chat/completions", b"", {**AUTH, "content-length": "1001"})
+    door_app, inner = door()
+    answer = call(door_app, "POST", "/v1/chat/completions", b"", {**AUTH, "content-length": "1001"})
     assert answer.status == 413
     assert answer.error["code"] == "request_too_large"
     assert answer.error["message"].startswith(
@@ -133,28 +133,28 @@ def test_a_declared_length_over_the_limit_is_413_before_the_body_is_read() -> No
 
 
 def test_a_chunked_body_is_counted_as_it_comes_and_refused_past_the_limit() -> None:
-    gate, inner = door()
+    door_app, inner = door()
     chunks = [b"x" * 400] * 10  # 4000 bytes, no Content-Length
-    answer = call(gate, "POST", "/v1/chat/completions", chunks, AUTH)
+    answer = call(door_app, "POST", "/v1/chat/completions", chunks, AUTH)
     assert answer.status == 413
     assert answer.received == 3, "refused at the chunk that passes 1000 bytes, not at the end"
     assert inner.calls == []
 
 
 def test_a_body_at_the_limit_passes_whole_and_the_client_is_still_heard_after_it() -> None:
-    gate, inner = door()
+    door_app, inner = door()
     body = chat(pad="x" * 10)
     body = body[:-1] + b" " * (LIMIT - len(body)) + b"}"
     assert len(body) == LIMIT
     chunks = [body[:300], body[300:]]
-    assert call(gate, "POST", "/v1/chat/completions", chunks, AUTH).status == 200
+    assert call(door_app, "POST", "/v1/chat/completions", chunks, AUTH).status == 200
     assert inner.calls == [("/v1/chat/completions", body)]
     assert inner.after_body == [{"type": "http.disconnect"}]
 
 
 def test_a_client_that_leaves_while_sending_gets_nothing() -> None:
-    gate, inner = door()
-    answer = call(gate, "POST", "/v1/chat/completions", [b'{"model": ', b"x"], AUTH, leave=True)
+    door_app, inner = door()
+    answer = call(door_app, "POST", "/v1/chat/completions", [b'{"model": ', b"x"], AUTH, leave=True)
     assert (answer.status, answer.body, answer.received) == (0, b"", 3)
     assert inner.calls == []
 
@@ -163,13 +163,15 @@ def test_a_client_that_leaves_while_sending_gets_nothing() -> None:
     "media_type", ["application/x-www-form-urlencoded", "multipart/form-data; boundary=x"]
 )
 def test_a_body_sent_as_a_form_is_415_before_it_is_read(media_type: str) -> None:
-    gate, inner = door()
-    answer = call(gate, "POST", "/v1/chat/completions", chat(), AUTH | {"content-type": media_type})
+    door_app, inner = door()
+    answer = call(
+        door_app, "POST", "/v1/chat/completions", chat(), AUTH | {"content-type": media_type}
+    )
     assert answer.status == 415
     assert "Content-Type: application/json" in answer.error["message"]
     assert answer.received == 0 and inner.calls == []
     headers = AUTH | {"content-type": "application/json; charset=utf-8"}
-    assert call(gate, "POST", "/v1/chat/completions", chat(), headers).status == 200
+    assert call(door_app, "POST", "/v1/chat/completions", chat(), headers).status == 200
 
 
 @pytest.mark.parametrize(
@@ -200,8 +202,8 @@ def test_a_body_sent_as_a_form_is_415_before_it_is_read(media_type: str) -> None
 def test_bad_requests_get_a_clear_error_and_never_reach_litellm(
     body: bytes, status: int, code: str, says: str
 ) -> None:
-    gate, inner = door()
-    answer = call(gate, "POST", "/v1/chat/completions", body, AUTH)
+    door_app, inner = door()
+    answer = call(door_app, "POST", "/v1/chat/completions", body, AUTH)
     assert answer.status == status, answer.body
     assert answer.error["code"] == code
     assert says in answer.error["message"]
@@ -211,16 +213,16 @@ def test_bad_requests_get_a_clear_error_and_never_reach_litellm(
 
 @pytest.mark.parametrize("prompt", ["", "hello", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
 def test_completion_prompts_of_every_kind_pass(prompt: Any) -> None:
-    gate, _ = door()
+    door_app, _ = door()
     body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": 4}).encode()
-    assert call(gate, "POST", "/v1/completions", body, AUTH).status == 200
+    assert call(door_app, "POST", "/v1/completions", body, AUTH).status == 200
 
 
 @pytest.mark.parametrize("prompt", [None, [], 5, [1, "a"], [[]], [[1], "a"], {"text": "x"}])
 def test_completion_prompts_of_no_kind_are_400(prompt: Any) -> None:
-    gate, _ = door()
+    door_app, _ = door()
     fields = {"model": "smollm2", "max_tokens": 4} | ({"prompt": prompt} if prompt else {})
-    answer = call(gate, "POST", "/v1/completions", json.dumps(fields).encode(), AUTH)
+    answer = call(door_app, "POST", "/v1/completions", json.dumps(fields).encode(), AUTH)
     assert answer.status == 400
     assert answer.error["param"] == "prompt"
 
@@ -238,9 +240,9 @@ def starlette_app() -> Starlette:
 def test_install_wraps_a_built_stack_in_place_and_an_unbuilt_one_when_it_is_built() -> None:
     made: list[Any] = []
 
-    def make(inner: Any) -> proxy_gate.Door:
+    def make(inner: Any) -> proxy_door.Door:
         made.append(inner)
-        return proxy_gate.Door(inner, None, lambda: MODELS, lambda: KEY)
+        return proxy_door.Door(inner, None, lambda: MODELS, lambda: KEY)
 
     for built in (True, False):
         app = starlette_app()
@@ -281,7 +283,7 @@ def test_clients_of_plain_http_addresses_build_no_tls_context() -> None:
 
 @pytest.mark.parametrize(
     ("value", "limit"),
-    [("", proxy_gate.DEFAULT_MAX_BODY_BYTES), ("1048576", 1048576), ("0", 8 << 20), ("x", 8 << 20)],
+    [("", proxy_door.DEFAULT_MAX_BODY_BYTES), ("1048576", 1048576), ("0", 8 << 20), ("x", 8 << 20)],
 )
 def test_the_body_limit_comes_from_the_environment(value: str, limit: int) -> None:
     assert mount.max_body_bytes({"B70_MAX_BODY_BYTES": value}) == limit

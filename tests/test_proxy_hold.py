@@ -1,5 +1,5 @@
-"""The request hold of appliance.hold: the gate, the mark and the counts, on real files and
-a clock that the test moves; the same gate runs inside the real proxy in tests/test_hold_real.py
+"""The request hold of appliance.hold: the turnstile, the mark and the counts, on real files and
+a clock that the test moves; the same turnstile runs inside the real proxy in tests/test_hold_real.py
 (and under LiteLLM's hook in tests/test_proxy_hook_real.py)."""
 
 from __future__ import annotations
@@ -42,13 +42,15 @@ class Backend:
         return self.healthy
 
 
-def gate(tmp_path: Path, backend: Backend, clock: Clock, hold_s: float = 10) -> waiting.Gate:
-    return waiting.Gate(tmp_path, backend, hold_s, clock=clock, sleep=clock.sleep)
+def turnstile(
+    tmp_path: Path, backend: Backend, clock: Clock, hold_s: float = 10
+) -> waiting.Turnstile:
+    return waiting.Turnstile(tmp_path, backend, hold_s, clock=clock, sleep=clock.sleep)
 
 
 def test_a_healthy_backend_without_a_mark_lets_requests_through_at_once(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend()
-    g = gate(tmp_path, backend, clock)
+    g = turnstile(tmp_path, backend, clock)
     assert asyncio.run(g.wait()) == 0.0
     assert asyncio.run(g.wait()) == 0.0
     assert backend.asked == 1, "a healthy answer is trusted for a while, not asked per request"
@@ -78,7 +80,7 @@ def test_a_request_does_not_wait_for_the_probe_when_the_runtime_served_a_moment_
 
     async def scenario() -> None:
         clock, backend = Clock(), Answers()
-        g = gate(tmp_path, backend, clock, hold_s=1)
+        g = turnstile(tmp_path, backend, clock, hold_s=1)
         assert await g.wait() == 0.0 and backend.asked == 1
         clock.now += waiting.HEALTH_TTL_S + 0.01
         backend.answer = asyncio.get_running_loop().create_future()
@@ -106,7 +108,7 @@ def test_a_burst_asks_the_backend_once(tmp_path: Path) -> None:
             return self.healthy
 
     backend = Slow()
-    g = gate(tmp_path, backend, Clock())
+    g = turnstile(tmp_path, backend, Clock())
 
     async def burst() -> list[float]:
         return await asyncio.gather(*(g.wait() for _ in range(64)))
@@ -117,7 +119,7 @@ def test_a_burst_asks_the_backend_once(tmp_path: Path) -> None:
 
 def test_a_mark_holds_requests_until_it_is_gone(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend()
-    g = gate(tmp_path, backend, clock)
+    g = turnstile(tmp_path, backend, clock)
 
     async def scenario() -> float:
         with hold.marked(tmp_path, "vllm"):
@@ -136,7 +138,7 @@ def test_a_mark_holds_requests_until_it_is_gone(tmp_path: Path) -> None:
 
 def test_the_hold_runs_out_with_a_reason_and_a_retry_after(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend()
-    g = gate(tmp_path, backend, clock, hold_s=8)
+    g = turnstile(tmp_path, backend, clock, hold_s=8)
     with hold.marked(tmp_path, "vllm"), pytest.raises(waiting.HoldTimeout) as e:
         asyncio.run(g.wait())
     assert e.value.why == "switching to vllm"
@@ -149,7 +151,7 @@ def test_the_hold_runs_out_with_a_reason_and_a_retry_after(tmp_path: Path) -> No
 def test_a_shorter_limit_ends_the_wait_sooner_and_never_a_longer_one(tmp_path: Path) -> None:
     """The door's wait for a runtime that died: what is left of the request's hold time."""
     clock, backend = Clock(), Backend(healthy=False)
-    g = gate(tmp_path, backend, clock, hold_s=8)
+    g = turnstile(tmp_path, backend, clock, hold_s=8)
     with pytest.raises(waiting.HoldTimeout) as e:
         asyncio.run(g.wait(limit_s=3))
     assert e.value.waited_s == pytest.approx(3)
@@ -160,7 +162,7 @@ def test_a_shorter_limit_ends_the_wait_sooner_and_never_a_longer_one(tmp_path: P
 
 def test_the_switch_own_token_passes_the_hold_and_a_wrong_one_does_not(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend(healthy=False)
-    g = gate(tmp_path, backend, clock, hold_s=1)
+    g = turnstile(tmp_path, backend, clock, hold_s=1)
     with hold.marked(tmp_path, "vllm") as mark:
         assert asyncio.run(g.wait(mark.token)) == 0.0
         assert backend.asked == 0, "the switch verifies the runtime itself"
@@ -170,7 +172,7 @@ def test_the_switch_own_token_passes_the_hold_and_a_wrong_one_does_not(tmp_path:
 
 def test_an_unhealthy_backend_holds_until_it_answers(tmp_path: Path) -> None:
     clock, backend = Clock(), Backend(healthy=False)
-    g = gate(tmp_path, backend, clock, hold_s=30)
+    g = turnstile(tmp_path, backend, clock, hold_s=30)
 
     async def scenario() -> float:
         waiter = asyncio.create_task(g.wait())
@@ -183,7 +185,7 @@ def test_an_unhealthy_backend_holds_until_it_answers(tmp_path: Path) -> None:
     with pytest.raises(waiting.HoldTimeout, match="not healthy"):
         backend.healthy = False
         clock.now += 60
-        asyncio.run(gate(tmp_path, backend, clock, hold_s=2).wait())
+        asyncio.run(turnstile(tmp_path, backend, clock, hold_s=2).wait())
 
 
 def test_a_mark_left_by_a_dead_switch_holds_nothing(tmp_path: Path) -> None:
@@ -195,7 +197,7 @@ def test_a_mark_left_by_a_dead_switch_holds_nothing(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
     assert (tmp_path / hold.HOLD_FILE).exists()
     assert hold.read_mark(tmp_path) is None
-    assert asyncio.run(gate(tmp_path, Backend(), Clock()).wait()) == 0.0
+    assert asyncio.run(turnstile(tmp_path, Backend(), Clock()).wait()) == 0.0
 
 
 def test_held_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> None:
@@ -213,10 +215,10 @@ def test_held_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> Non
 def test_requests_let_through_are_counted_open_until_answered_and_not_while_held(
     tmp_path: Path,
 ) -> None:
-    """The drain's count: a request is open from the moment the gate lets it through until the
+    """The drain's count: a request is open from the moment the turnstile lets it through until the
     door closes its ticket; one that waits at the hold is not open while it waits."""
     clock, backend = Clock(), Backend()
-    g = gate(tmp_path, backend, clock, hold_s=5)
+    g = turnstile(tmp_path, backend, clock, hold_s=5)
     assert hold.read_open(tmp_path) is None, "no count before the proxy counted anything"
 
     async def requests() -> None:
@@ -258,7 +260,7 @@ def test_open_counts_of_a_worker_that_is_gone_are_dropped(tmp_path: Path) -> Non
 def test_the_fast_way_is_held_by_a_mark_but_never_waits_for_a_probe(tmp_path: Path) -> None:
     """The door's fast way learns from its own connection whether the runtime serves."""
     clock, backend = Clock(), Backend(healthy=False)
-    g = gate(tmp_path, backend, clock, hold_s=1)
+    g = turnstile(tmp_path, backend, clock, hold_s=1)
     assert asyncio.run(g.wait(health=False)) == 0.0 and backend.asked == 0
     with hold.marked(tmp_path, "vllm"), pytest.raises(waiting.HoldTimeout, match="to vllm"):
         asyncio.run(g.wait(health=False))
@@ -271,8 +273,8 @@ def test_a_switch_holds_only_the_ports_it_names_and_each_port_counts_its_own(
     """Runtimes side by side: a switch of the one on port 8001 holds its requests and drains
     its count, while requests to the runtime on port 8002 go on and are counted apart."""
     clock = Clock()
-    switched = waiting.Gate(tmp_path, Backend(), 5, clock=clock, sleep=clock.sleep, port=8001)
-    beside = waiting.Gate(tmp_path, Backend(), 5, clock=clock, sleep=clock.sleep, port=8002)
+    switched = waiting.Turnstile(tmp_path, Backend(), 5, clock=clock, sleep=clock.sleep, port=8001)
+    beside = waiting.Turnstile(tmp_path, Backend(), 5, clock=clock, sleep=clock.sleep, port=8002)
 
     async def requests() -> None:
         hold.TICKET.set(going := hold.Ticket("vision"))
@@ -321,10 +323,10 @@ def test_a_mark_that_cannot_be_read_holds_and_says_so_once(
     clock, backend = Clock(), Backend()
     for _ in range(2):
         with pytest.raises(waiting.HoldTimeout) as e:
-            asyncio.run(gate(tmp_path, backend, clock, hold_s=1).wait())
+            asyncio.run(turnstile(tmp_path, backend, clock, hold_s=1).wait())
         assert e.value.why.startswith("the hold mark cannot be read")
     lines = [line for line in capsys.readouterr().err.splitlines() if "hold mark" in line]
-    assert len(lines) == 2, "once per gate (each gate here is a new worker's)"
+    assert len(lines) == 2, "once per turnstile (each one here is a new worker's)"
     assert "requests wait as in a switch" in lines[0]
 
 
@@ -336,7 +338,7 @@ def test_counts_that_cannot_be_written_are_said_in_the_journal_once(
 
     monkeypatch.setattr(waiting, "write_counts", full)
     clock, backend = Clock(), Backend(healthy=False)
-    g = gate(tmp_path, backend, clock, hold_s=1)
+    g = turnstile(tmp_path, backend, clock, hold_s=1)
     for _ in range(3):
         with pytest.raises(waiting.HoldTimeout):
             asyncio.run(g.wait())

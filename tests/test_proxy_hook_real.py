@@ -13,19 +13,19 @@ from litellm.proxy._types import ProxyException
 
 from appliance.proxy import backend as proxy_backend
 from appliance.proxy import hook as proxy_hook
-from tests.test_proxy_hold import Backend, Clock, gate
+from tests.test_proxy_hold import Backend, Clock, turnstile
 
 
 def test_the_hook_answers_503_with_retry_after(tmp_path: Path) -> None:
     clock = Clock()
-    hook = proxy_hook.HoldHook(gate(tmp_path, Backend(healthy=False), clock, hold_s=20))
+    hook = proxy_hook.HoldHook(turnstile(tmp_path, Backend(healthy=False), clock, hold_s=20))
     data = {"model": "m", "proxy_server_request": {"headers": {}}}
     with pytest.raises(ProxyException) as e:
         asyncio.run(hook.async_pre_call_hook(None, None, data, "acompletion"))
     assert e.value.code == "503"
     assert e.value.headers == {"Retry-After": "5"}
     assert "the backend is not healthy" in e.value.message
-    ok = proxy_hook.HoldHook(gate(tmp_path, Backend(healthy=True), clock))
+    ok = proxy_hook.HoldHook(turnstile(tmp_path, Backend(healthy=True), clock))
     assert asyncio.run(ok.async_pre_call_hook(None, None, data, "acompletion")) is data
 
 

@@ -120,17 +120,17 @@ def test_every_pair_conflicts_and_exactly_one_side_orders_after_the_other() -> N
     assert unit_lines(podman, "ExecStartPre")[0] == "-/usr/bin/podman rm --force b70-b"
 
 
-def test_the_port_gate_binds_where_the_runtime_will() -> None:
-    """The gate tries the runtime's own address: a connection's local end on it holds the port
-    though nothing listens there. The default address is the gate's default, left unsaid."""
-    gate = unit_lines(
+def test_the_port_guard_binds_where_the_runtime_will() -> None:
+    """The guard tries the runtime's own address: a connection's local end on it holds the port
+    though nothing listens there. The default address is the guard's default, left unsaid."""
+    guard = unit_lines(
         render_all(config.parse(THREE, Path("t.toml")), layout(Scope.SYSTEM))["b70-a.service"],
         "ExecStartPre",
     )
-    assert "--host" not in gate[-1]
+    assert "--host" not in guard[-1]
     v6 = config.parse(THREE + '[backend]\nhost = "::1"\n', Path("t.toml"))
-    gate = unit_lines(render_all(v6, layout(Scope.SYSTEM))["b70-a.service"], "ExecStartPre")
-    assert gate[-1].startswith("/opt/b70/bin/b70ctl unit pre --port 8001 --host ::1 --device ")
+    guard = unit_lines(render_all(v6, layout(Scope.SYSTEM))["b70-a.service"], "ExecStartPre")
+    assert guard[-1].startswith("/opt/b70/bin/b70ctl unit pre --port 8001 --host ::1 --device ")
 
 
 @pytest.mark.parametrize("launcher", ["docker", "podman"])

@@ -69,7 +69,7 @@ def test_write_atomic_names_the_file_it_could_not_write(
     assert error.hint == f"the file system is full: free space there (df -h {tmp_path / 'a.json'})"
 
 
-def test_the_monitor_logs_a_state_it_cannot_save_once_and_goes_on(
+def test_the_monitor_logs_a_record_it_cannot_save_once_and_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lines: list[str] = []
@@ -78,10 +78,10 @@ def test_the_monitor_logs_a_state_it_cannot_save_once_and_goes_on(
     for _ in range(3):
         doc = monitor.save(tmp_path, m, None, lines.append)
     assert doc["restarts_by_monitor"] == 2
-    assert len(lines) == 1 and "cannot save the monitor's state" in lines[0]
+    assert len(lines) == 1 and "cannot save the monitor's record" in lines[0]
     monkeypatch.undo()
     monitor.save(tmp_path, m, None, lines.append)
-    assert lines[1] == "the monitor's state is saved again"
+    assert lines[1] == "the monitor's record is saved again"
     assert monitor.restore(tmp_path).restarts_by_monitor == 2
 
 

@@ -47,8 +47,8 @@ class Page:
         render.write_bytes(t.mem_regions_reply(self.card))
 
     def samples(self) -> list[dict[str, object]]:
-        state = Path(self.app.manager.env["XDG_STATE_HOME"]) / "b70" / SAMPLES
-        return [json.loads(line) for line in state.read_text().splitlines()]
+        ring = Path(self.app.manager.env["XDG_STATE_HOME"]) / "b70" / SAMPLES
+        return [json.loads(line) for line in ring.read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +159,7 @@ def test_a_site_rebound_to_this_machine_gets_neither_the_page_nor_a_switch(page:
     """DNS rebinding: Chromium resolves attacker.example to 127.0.0.1, as a site's own DNS does
     after its first answer, so the site's page and scripts are of the origin
     http://attacker.example:PORT, same-origin with what that name now reaches. Even knowing the
-    page's token, they get 421 for the page, the state and the switch; localhost is served."""
+    page's token, they get 421 for the page, /api/state and the switch; localhost is served."""
     import httpx
 
     before = page.app.json("status")["result"]["active_runtime"]

@@ -260,7 +260,7 @@ def test_a_key_cookie_or_token_of_any_text_is_refused_cleanly(page: tuple[str, b
 
 
 def test_the_holds_token_of_any_text_is_a_mismatch(tmp_path: Path) -> None:
-    """The proxy's gate compares a request's hold token with the switch's as bytes: a token in
+    """The proxy's turnstile compares a request's hold token with the switch's as bytes: a token in
     any text (a header is latin-1; JSON can carry a lone surrogate) is another switch's."""
     import asyncio
 
@@ -270,13 +270,13 @@ def test_the_holds_token_of_any_text_is_a_mismatch(tmp_path: Path) -> None:
     async def healthy() -> bool:
         return True
 
-    gate = waiting.Gate(tmp_path, healthy, 1.0)
+    turnstile = waiting.Turnstile(tmp_path, healthy, 1.0)
     with hold.marked(tmp_path, "b") as mark:
         for wrong in ("é", "\u00ff" * 32, "\ud800", mark.token + "\u20ac"):
-            assert gate.admits(wrong, mark) is False
-            assert asyncio.run(gate.blocked(wrong)) == "switching to b"
-        assert gate.admits(mark.token, mark) is True
-        assert asyncio.run(gate.blocked(mark.token)) is None
+            assert turnstile.admits(wrong, mark) is False
+            assert asyncio.run(turnstile.blocked(wrong)) == "switching to b"
+        assert turnstile.admits(mark.token, mark) is True
+        assert asyncio.run(turnstile.blocked(mark.token)) is None
 
 
 def test_the_ring_keeps_the_last_hour_and_drops_the_rest_in_one_rewrite(tmp_path: Path) -> None:

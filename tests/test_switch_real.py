@@ -21,7 +21,8 @@ RUNTIME_UNITS = ["b70-broken.service", "b70-llamacpp.service", "b70-vllm.service
 
 
 class ExclusionSampler(threading.Thread):
-    """Samples every runtime unit's state; two units away from inactive at once is a violation."""
+    """Samples every runtime unit's ActiveState; two units away from inactive at once is a
+    violation."""
 
     def __init__(self, app: Appliance) -> None:
         super().__init__(daemon=True)
@@ -34,13 +35,13 @@ class ExclusionSampler(threading.Thread):
     def run(self) -> None:
         while not self.stop_event.is_set():
             out = self.app.manager.systemctl("show", "-p", "Id,ActiveState", *RUNTIME_UNITS)
-            states = {}
+            active = {}
             for block in out.strip().split("\n\n"):
                 fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
                 if "Id" in fields:
-                    states[fields["Id"]] = fields["ActiveState"]
-            busy = {u: s for u, s in states.items() if s not in {"inactive", "failed"}}
-            self.seen |= {f"{u}={s}" for u, s in states.items()}
+                    active[fields["Id"]] = fields["ActiveState"]
+            busy = {u: s for u, s in active.items() if s not in {"inactive", "failed"}}
+            self.seen |= {f"{u}={s}" for u, s in active.items()}
             if len(busy) > 1:
                 self.violations.append(busy)
             self.samples += 1
@@ -160,7 +161,7 @@ def test_the_master_key_is_never_in_a_unit_or_a_log(appliance: Appliance) -> Non
 def test_logs_show_the_runtime_journal(appliance: Appliance) -> None:
     out = appliance.b70ctl("logs", "llamacpp", "-n", "200")
     assert out.returncode == 0
-    assert "healthy after" in out.stdout  # written by the unit's ExecStartPost gate
+    assert "healthy after" in out.stdout  # written by the unit's health guard (ExecStartPost=)
 
 
 def appliance_argv(app: Appliance) -> list[str]:

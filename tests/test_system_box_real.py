@@ -412,16 +412,16 @@ def test_a_runtime_killed_is_restarted_and_serves_again(installed: boxkit.Box) -
     box.run(f"kill -9 {pid}")
     deadline = time.monotonic() + 180
     while True:
-        state = unit_show(box, unit, "ActiveState", "MainPID")
-        if state["ActiveState"] == "active" and int(state["MainPID"]) not in (0, pid):
+        props = unit_show(box, unit, "ActiveState", "MainPID")
+        if props["ActiveState"] == "active" and int(props["MainPID"]) not in (0, pid):
             break
-        assert time.monotonic() < deadline, (state, box.journal(unit))
+        assert time.monotonic() < deadline, (props, box.journal(unit))
         time.sleep(0.5)
     reply = complete(box)
     after = box.run(f"systemctl show -p NRestarts --value {unit}").stdout.strip()
     monitor = box.journal(MONITOR, 20)
     print(
-        f"\n{unit}: kill -9 of {pid}; serving again as {state['MainPID']}, NRestarts {restarts} -> "
+        f"\n{unit}: kill -9 of {pid}; serving again as {props['MainPID']}, NRestarts {restarts} -> "
         f"{after}; reply {reply!r}\nthe monitor's journal:\n{monitor}"
     )
     assert reply.strip()
@@ -437,18 +437,18 @@ def test_a_switch_killed_while_loading_is_recovered_by_the_next(installed: boxki
         f"systemd-run --quiet --unit=box-switch --collect -p StandardOutput=file:/root/switch.out "
         f"-p StandardError=file:/root/switch.err {B70CTL} switch {target}"
     )
-    # Its loading phase: the unit is starting and llama-server runs (its health gate waits).
+    # Its loading phase: the unit is starting and llama-server runs (its health guard waits).
     deadline = time.monotonic() + 120
     while True:
-        state = unit_show(box, UNITS[target], "ActiveState", "SubState", "MainPID")
-        if state["ActiveState"] == "activating" and int(state["MainPID"]) > 1:
+        props = unit_show(box, UNITS[target], "ActiveState", "SubState", "MainPID")
+        if props["ActiveState"] == "activating" and int(props["MainPID"]) > 1:
             break
-        if state["ActiveState"] == "active":  # it loaded faster than it was looked at
+        if props["ActiveState"] == "active":  # it loaded faster than it was looked at
             break
-        assert time.monotonic() < deadline, (state, box.read("/root/switch.err"))
+        assert time.monotonic() < deadline, (props, box.read("/root/switch.err"))
         time.sleep(0.02)
     box.run("systemctl kill -s KILL box-switch")
-    print(f"\nkilled the switch with {UNITS[target]} {state}")
+    print(f"\nkilled the switch with {UNITS[target]} {props}")
     killed_log = box.read("/root/switch.err")
     after = b70ctl(box, "switch", target, "--json", timeout=600)
     history = [json.loads(line) for line in box.read("/var/lib/b70/switches.jsonl").splitlines()]
@@ -637,8 +637,8 @@ def test_a_hung_runtime_is_restarted_by_the_monitor(installed: boxkit.Box) -> No
     said = box.journal(MONITOR, 40)
     print(f"\nthe monitor's journal:\n{said}")
     assert f"restart {unit.removeprefix('b70-').removesuffix('.service')}" in said
-    state = json.loads(b70ctl(box, "status", "--json").stdout)["result"]["monitor"]
-    assert state["restarts_by_monitor"] >= 1, state
+    monitor = json.loads(b70ctl(box, "status", "--json").stdout)["result"]["monitor"]
+    assert monitor["restarts_by_monitor"] >= 1, monitor
     assert complete(box).strip()
 
 

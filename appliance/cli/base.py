@@ -34,7 +34,7 @@ class Context:
         return config_mod.load(self.config_path or config_mod.default_config_path(self.scope))
 
     def require_root(self, command: str) -> None:
-        """A command that changes the system's units and the appliance's state is root's (who may
+        """A command that changes the system's units or the appliance's files is root's (who may
         do what: docs/security.md). Anyone may run the commands that only read."""
         if self.scope is Scope.SYSTEM and os.geteuid() != 0:
             raise ApplianceError(
@@ -125,7 +125,8 @@ def cli(ctx: click.Context, config_path: Path | None, user_scope: bool, debug: b
     ctx.obj = Context(config_path, Scope.USER if user_scope else Scope.SYSTEM, debug)
 
 
-def unitgate_log(message: str) -> None:
+def guard_log(message: str) -> None:
+    """A line of a unit's guard (`unit pre`, `gpu wait-free`): stderr, the unit's journal."""
     output.log(message)
 
 
@@ -157,10 +158,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def exit_at_once(code: int) -> None:
-    """Flush what was written and end the process without tearing the interpreter down.
-    Freeing every module's objects one by one costs a b70ctl on 2 cores 40-50 ms once a switch
-    has imported what it needs; the `with` blocks that opened files, locks, sockets and the
-    bus have closed them by now, and nothing registers an atexit handler."""
+    """Flush what was written and end the process without tearing the interpreter down:
+    freeing every module's objects one by one would only delay the exit. The `with` blocks
+    that opened files, locks, sockets and the bus have closed them by now, and nothing
+    registers an atexit handler."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # the reader left, or it is closed
             stream.flush()

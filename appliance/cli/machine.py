@@ -1,5 +1,5 @@
-"""The commands about the machine: gpu (memory and who holds it), and the gates the rendered
-units run around their main process (unit pre, unit ready)."""
+"""The commands about the machine: gpu (memory and who holds it), doctor, and the guards the
+rendered units run around their main process (unit pre, unit ready)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from appliance.cli import output
-from appliance.cli.base import Context, cli, unitgate_log, with_json
+from appliance.cli.base import Context, cli, guard_log, with_json
 from appliance.errors import ApplianceError
 from appliance.sizes import GIB
 
@@ -106,7 +106,7 @@ def gpu_wait_free(
     Example:
       b70ctl gpu wait-free --need-gib 24 --timeout 120
     """
-    from appliance.host.gpu import fit as memgate
+    from appliance.host.gpu import fit
 
     if need_bytes < 0 or (need_gib is not None and not 0 <= need_gib <= 1024**2):
         raise ApplianceError(
@@ -115,13 +115,13 @@ def gpu_wait_free(
             exit_code=2,
         )
     need = int(need_gib * GIB) if need_gib is not None else need_bytes
-    memgate.wait_start(gpu_root(root), devices, need, unit, timeout_s, unitgate_log)
+    fit.wait_start(gpu_root(root), devices, need, unit, timeout_s, guard_log)
     output.show(ctx.json, {"devices": list(devices), "need_bytes": need, "free": True})
 
 
 @cli.group(hidden=True)
 def unit() -> None:
-    """Gates that the rendered units run around their main process (not for people)."""
+    """Guards that the rendered units run around their main process (not for people)."""
 
 
 @unit.command("pre")
@@ -159,16 +159,15 @@ def unit_pre(
     root: Path | None,
 ) -> None:
     """ExecStartPre: the GPU memory the runtime needs is free (with --device), then the backend
-    port is free. One process for both: each b70ctl start costs a runtime's start 0.1-0.2 s."""
-    from appliance.units import guards as unitgate
+    port is free. One process for both guards, so that a runtime's start waits for one b70ctl
+    start, not two."""
+    from appliance.units import guards
 
     if devices:
-        from appliance.host.gpu import fit as memgate
+        from appliance.host.gpu import fit
 
-        memgate.wait_start(
-            gpu_root(root), devices, need_bytes, unit_name, gpu_timeout_s, unitgate_log
-        )
-    unitgate.pre(port, wait_s, host)
+        fit.wait_start(gpu_root(root), devices, need_bytes, unit_name, gpu_timeout_s, guard_log)
+    guards.pre(port, wait_s, host)
     output.show(ctx.json, {"port": port, "free": True, "devices": list(devices)})
 
 
@@ -185,7 +184,7 @@ def unit_ready(
     """ExecStartPost: wait until URL is healthy and served by PID's own process tree."""
     from urllib.parse import urlsplit
 
-    from appliance.units import guards as unitgate
+    from appliance.units import guards
 
     try:
         port = urlsplit(url).port
@@ -193,5 +192,5 @@ def unit_ready(
         port = None
     if port is None:
         raise ApplianceError(f"--url {url} names no valid port", code="usage_error", exit_code=2)
-    unitgate.ready(unitgate.ReadyTarget(url, engine, port, pid, container, container_cli))
+    guards.ready(guards.ReadyTarget(url, engine, port, pid, container, container_cli))
     output.show(ctx.json, {"url": url, "ready": True})

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from appliance.cli import output
-from appliance.cli.base import Context, cli, unitgate_log, with_json
+from appliance.cli.base import Context, cli, with_json
 from appliance.errors import ApplianceError
 
 
@@ -183,7 +183,7 @@ def monitor(ctx: Context, once: bool) -> None:
             code="usage_error",
             exit_code=2,
         )
-    sample = monitor_mod.run(ctx.config(), ctx.scope, unitgate_log, once=once)
+    sample = monitor_mod.run(ctx.config(), ctx.scope, output.log, once=once)
     output.show(ctx.json, sample)
 
 

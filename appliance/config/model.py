@@ -72,13 +72,13 @@ class ProxyConfig:
     aliases: tuple[str, ...] = ()
     hold_s: float = 300.0  # how long a request waits at the proxy during a switch
     drain_s: float = 60.0  # how long a switch waits for the old runtime's requests to finish
-    workers: int = 2  # one LiteLLM worker streams about 1300-1800 chunks/s on one core
+    workers: int = 2  # the proxy's worker processes, each with its own event loop
     max_body_bytes: int = 8 * 1024**2  # a request body larger than this is refused (413)
     litellm: str | None = None  # the litellm executable; default: beside b70ctl
     # Model requests take the fast way: straight to the runtime when the model has one
     # deployment (appliance/proxy/direct.py), else LiteLLM's vLLM pass-through route
-    # (appliance/proxy/relay.py); false: LiteLLM's chat and completion routes, at several times
-    # the CPU per request and per chunk.
+    # (appliance/proxy/relay.py); false: LiteLLM's chat and completion routes, which do more
+    # work per request and per chunk.
     pass_through: bool = True
 
 
@@ -122,7 +122,7 @@ class PeersConfig:
     """Other b70 appliances whose proxies serve the same names: this proxy routes to them too."""
 
     urls: tuple[str, ...] = ()  # http://HOST:PORT of each peer's proxy
-    # Where two front doors share their routing state (cooldowns, usage): LiteLLM's Redis
+    # Where two front doors share their routing data (cooldowns, usage): LiteLLM's Redis
     redis_host: str | None = None
     redis_port: int = 6379
     cooldown_s: float = 5.0  # how long a peer that failed is left out

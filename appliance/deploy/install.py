@@ -192,7 +192,7 @@ def install(
     changed = changed_files(files, lay)
     with writer_lock(lay.state_dir, "install") as lock, systemd.connect(scope) as sd:
         if now:  # what would keep the units from starting, before anything is written
-            if sd.state(PROXY_SOCKET).active_state != "active":  # else systemd holds it for us
+            if sd.properties(PROXY_SOCKET).active_state != "active":  # else systemd holds it for us
                 check_port(sd, [PROXY_UNIT], config.proxy.port, "proxy")
             runtime_units = [rt.unit for rt in config.runtimes.values()]
             for port in sorted({rt.port for rt in config.runtimes.values()}):
@@ -239,7 +239,7 @@ def _write(
         create_users(lay.destination(SYSUSERS))
     sd.reload()
     runtime_units = [rt.unit for rt in config.runtimes.values()]
-    enabled = [u for u in runtime_units if sd.state(u).unit_file_state == "enabled"]
+    enabled = [u for u in runtime_units if sd.properties(u).unit_file_state == "enabled"]
     to_enable = [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
     # The runtimes enabled at boot, by name, less any that shares a card with one before it
     # (systemd would start only one of two that conflict): side by side, or replicas.
@@ -269,7 +269,7 @@ def _start_proxy(
 ) -> None:
     """The proxy started, or restarted when what it runs changed."""
     proxy_changed = PROXY_UNIT in changed or PROXY_CONFIG in changed
-    if PROXY_SOCKET in changed and sd.state(PROXY_SOCKET).active_state == "active":
+    if PROXY_SOCKET in changed and sd.properties(PROXY_SOCKET).active_state == "active":
         # A new address: the socket is bound again. Stopping it stops the proxy (Requires=),
         # which is then started below, with the new socket.
         progress("restarting", PROXY_SOCKET)
@@ -277,7 +277,7 @@ def _start_proxy(
         for unit in (PROXY_UNIT, PROXY_SOCKET):
             wait_stopped(sd, unit, 120)
         sd.start(PROXY_SOCKET)
-    active = sd.state(PROXY_UNIT).active_state == "active"
+    active = sd.properties(PROXY_UNIT).active_state == "active"
     if active and not proxy_changed:
         return
     progress("restarting" if active else "starting", PROXY_UNIT)
@@ -292,7 +292,7 @@ def _start_proxy(
 
 def _start_monitor(sd: systemd.Systemd, changed: bool, result: InstallResult) -> None:
     """The monitor started, or restarted when its unit or the config changed."""
-    active = sd.state(MONITOR_UNIT).active_state == "active"
+    active = sd.properties(MONITOR_UNIT).active_state == "active"
     if active and not changed:
         return
     if active:
@@ -346,7 +346,7 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> UninstallResult:
     units = [rt.unit for rt in config.runtimes.values()] + [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
     result = UninstallResult()
     with writer_lock(lay.state_dir, "uninstall"), systemd.connect(scope) as sd:
-        loaded = [u for u in units if sd.state(u).load_state != "not-found"]
+        loaded = [u for u in units if sd.properties(u).load_state != "not-found"]
         for unit in loaded:
             sd.stop(unit)
         for unit in loaded:

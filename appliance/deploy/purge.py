@@ -17,7 +17,7 @@ STATE_FILES = frozenset(
         layout.KILLED_FILE,
         layout.LAST_SWITCH,
         layout.HISTORY,
-        layout.MONITOR_STATE,
+        layout.MONITOR_RECORD,
         layout.SAMPLES,
         layout.CANARY_FILE,
         layout.RENDERED,

@@ -169,7 +169,7 @@ def _perfmon(root: Path) -> Check:
     return Check(
         "CAP_PERFMON",
         False,
-        "without it the xe driver reports used VRAM as 0, so the memory gate cannot see it",
+        "without it the xe driver reports used VRAM as 0, so the GPU-memory guard cannot see it",
         "run b70ctl as root, or give it CAP_PERFMON (runtimes with `user` get it in their unit)",
     )
 

@@ -1,9 +1,9 @@
 """HTTP probes of the runtimes and the proxy, and who listens on a port.
 
 The controller's own requests go to its loopback ports and are sent with the standard library's
-http.client: importing httpx costs 175 ms of every b70ctl start on a 2-core machine, and each
-httpx client builds an SSL context that a plain-HTTP request never uses (the monitor and the
-runtime's health gate send one every interval).
+http.client: httpx would add its import to every b70ctl start (docs/startup.md), and each httpx
+client builds an SSL context that a plain-HTTP request never uses (the monitor and the runtime's
+health guard send one every interval).
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ def placements(
 
 
 def devices_of(config: Config, runtime: RuntimeConfig, cards: Sequence[Card] | None) -> list[str]:
-    """The cards whose memory gates `runtime`'s start: its own placed cards (their PCI
+    """The cards whose free memory `runtime`'s start waits for: its own placed cards (their PCI
     addresses), or `[gpu] device` when the config names no cards."""
     return [c.pci for c in cards] if cards else [config.gpu.device]
 

@@ -3,8 +3,9 @@
 A switch asks, in its preflight, whether anything outside the appliance listens on the target's
 port. Most often the answer is read straight from /proc: the sockets listening on the port
 (/proc/net/tcp, tcp6), and whether the units' processes hold them (/proc/PID/fd): a few reads
-of small files. psutil, which scans every process's sockets and costs a 2-core machine 40 ms to
-import and ask, is used only where /proc does not settle it, and to describe what it finds.
+of small files. psutil, which scans every process's sockets and would add its import and that
+scan to the switch (docs/startup.md), is used only where /proc does not settle it, and to
+describe what it finds.
 """
 
 from __future__ import annotations

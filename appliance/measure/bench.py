@@ -381,7 +381,7 @@ def target(
                 "name": name,
                 "engine": rt.engine.value,
                 "unit": rt.unit,
-                "invocation_id": sd.state(rt.unit).invocation_id,
+                "invocation_id": sd.properties(rt.unit).invocation_id,
             }
         runtime["engine"] = o["engine"] or runtime["engine"]
     w = Workload(

@@ -211,7 +211,7 @@ def decode_step(
     """One memory-bound decode step of `batch` requests: the bytes it reads, and its speed."""
     touched = s.layers * distinct_experts(s.experts, s.experts_per_tok, batch) * per_expert
     read = (p.attention + p.linear + p.always + p.lm_head + touched) * scale
-    read += batch * (2 * gdn + kv_per_request)  # each request's state read and written, KV read
+    read += batch * (2 * gdn + kv_per_request)  # each request's GDN state read and written, KV read
     step_s = read / bandwidth
     return {
         "batch": batch,

@@ -10,15 +10,16 @@ Each check refuses a request with a Refusal in OpenAI's error shape, or lets it 
    fits. Most prompts cost nothing more: a tokenizer makes at most one token of each byte of
    text (byte-level BPE, and SentencePiece with byte fallback), and the JSON body has at least
    as many bytes as the text in it, so a body of at most `context - TEMPLATE_SLACK` bytes fits.
-   A prompt far over is refused at once: no vocabulary we could measure has a token longer than
+   A prompt far over is refused at once: no common vocabulary has a token longer than
    128 bytes (GPT-2's, cl100k, o200k; SmolLM2's longest is 81), so a text of N bytes has at
    least N / MAX_TOKEN_BYTES (256) tokens; for chat only the users' messages count, as every
    chat template renders them whole (some drop parts of earlier answers). Between the two, the
    serving runtime counts the prompt exactly with its own tokenizer (vLLM: POST /tokenize with
    the messages, which applies the chat template; llama-server: POST /apply-template, then
    /tokenize). Token-id prompts are counted as they are. The bound alone would be weak (an
-   8 MiB body is only "at least 32768 tokens"), and counting alone slow (vLLM on 2 CPU cores
-   counts 8 MB of text in 12 s). A prompt with images is not counted: the runtime judges it.
+   8 MiB body is only "at least 32768 tokens"), and counting alone slow on a large body (the
+   runtime tokenizes all of it on its CPU). A prompt with images is not counted: the runtime
+   judges it.
 
 The context and the engine come from the serving runtime, asked once and kept (vLLM: GET
 /v1/models, `max_model_len`; llama-server: GET /props, `default_generation_settings.n_ctx`, the

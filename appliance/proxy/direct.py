@@ -2,13 +2,12 @@
 
 The appliance serves each model name from one runtime at a time, on that name's runtime port
 (runtimes that take turns under a name share its port), so LiteLLM's router has nothing to
-choose. Its pass-through route
-(appliance.proxy.relay) still costs about 25 ms of CPU per request on a 2-core machine
-(authentication again, the router, a logging object, a task in a thread pool); a burst of 64
-requests waits for that work on each worker's event loop. Here the door sends the checked body
-itself, over a new loopback connection (a kept one may be closed by the runtime just as it is
-used), written in the same step as the door's checks (`open_with`), and relays
-the runtime's own bytes: what the pass-through route relays.
+choose, and its pass-through route (appliance.proxy.relay) would only add work to each request
+(authentication again, the router, a logging object, a task in a thread pool), which a burst
+waits for on each worker's event loop. Here the door sends the checked body itself, over a new
+loopback connection (a kept one may be closed by the runtime just as it is used), written in the
+same step as the door's checks (`open_with`), and relays the runtime's own bytes: what the
+pass-through route relays.
 
 The runtime receives the body as the door checked it, under the model name the router resolves
 (an alias becomes the deployment's name), and no header of the client's. As on the pass-through

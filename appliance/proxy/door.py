@@ -16,8 +16,8 @@ LiteLLM parses it, so a bad request costs the runtime nothing. In order:
    refused at once with 413, before the body is sent; a chunked body is counted as it arrives
    and refused as soon as it passes the limit, so no more than the limit is ever held. 8 MiB
    holds a whole 131072-token context as text many times over (about 4 bytes a token, up to 6
-   in JSON escapes) and a few images as data URLs; the 50 MB bodies that once kept the proxy
-   and llama-server busy for a minute do not pass.
+   in JSON escapes) and a few images as data URLs; bodies of tens of megabytes, which would keep
+   the proxy and the runtime busy parsing them, do not pass.
 4-6. The request itself: JSON, model, messages or prompt, max_tokens, the prompt against the
    runtime's context (appliance.proxy.checks).
 
@@ -236,7 +236,7 @@ class Door:
         chat or completion route, sent again if the runtime died before answering
         (appliance.proxy.relay.resend)."""
         token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
-        # opened by the hold's gate of the model's runtime when it lets the request through
+        # opened by the turnstile of the model's runtime when it lets the request through
         ticket = hold.Ticket(checked.model, token, _header(scope, PEER_HEADER) is not None)
         context = hold.TICKET.set(ticket)
         try:

@@ -10,7 +10,7 @@ only the appliance's routes exist, and bad requests are refused before LiteLLM p
 The proxy unit tells this module where things are through its environment:
     B70_STATE_DIR       where `b70ctl switch` writes its hold mark (appliance.hold)
     B70_BACKEND_URL     the runtimes' addresses, one per runtime port (space-separated); each has
-                        its own hold, whose /health is probed
+                        its own turnstile, whose /health is probed
     B70_HOLD_S          how long a request may wait before it is answered 503
     B70_MAX_BODY_BYTES  the largest request body the door takes (default 8 MiB)
 
@@ -37,7 +37,7 @@ from appliance import hold as hold_mark
 from appliance.proxy import backend as backend_mod
 from appliance.proxy import door, mount, routing
 from appliance.proxy.asgi import log
-from appliance.proxy.waiting import HEALTH_TIMEOUT_S, Gate, HoldTimeout, Probe
+from appliance.proxy.waiting import HEALTH_TIMEOUT_S, HoldTimeout, Probe, Turnstile
 
 
 def health_probe(backend_url: str) -> Probe:
@@ -67,41 +67,42 @@ def _request_headers(data: Mapping[str, Any]) -> Mapping[str, Any]:
 class HoldHook(routing.Routing, CustomLogger):
     def __init__(
         self,
-        gate: Gate | None = None,
+        turnstile: Turnstile | None = None,
         backend: backend_mod.Backend | None = None,
         runtimes: mount.Runtimes | None = None,
     ) -> None:
         super().__init__()
-        self._gate = gate  # one gate for every request (tests)
+        self._turnstile = turnstile  # one turnstile for every request (tests)
         self.backend = backend  # the door's view of the first runtime, to name it in errors
         self.runtimes = runtimes
-        self._gates: dict[str, Gate] = {}
+        self._turnstiles: dict[str, Turnstile] = {}
         self._peers: dict[str, routing.Peer] = {}
 
     @property
-    def gate(self) -> Gate:
-        """The first runtime's gate (the only one, unless runtimes serve side by side)."""
-        return self.gate_for(None)
+    def turnstile(self) -> Turnstile:
+        """The first runtime's turnstile (the only one, unless runtimes serve side by side)."""
+        return self.turnstile_for(None)
 
-    def gate_for(self, model: str | None) -> Gate:
-        """The hold of the runtime that serves `model`."""
-        if self._gate is not None:
-            return self._gate
+    def turnstile_for(self, model: str | None) -> Turnstile:
+        """The turnstile of the runtime that serves `model`."""
+        if self._turnstile is not None:
+            return self._turnstile
         if self.runtimes is not None:
-            return self.gate_at(self.runtimes.url_of(model))
-        return self.gate_at(os.environ["B70_BACKEND_URL"].split()[0])
+            return self.turnstile_at(self.runtimes.url_of(model))
+        return self.turnstile_at(os.environ["B70_BACKEND_URL"].split()[0])
 
-    def gate_at(self, url: str) -> Gate:
-        gate = self._gates.get(url)
-        if gate is None:
+    def turnstile_at(self, url: str) -> Turnstile:
+        """The turnstile of the runtime at `url`, made on first use."""
+        turnstile = self._turnstiles.get(url)
+        if turnstile is None:
             env = os.environ
-            gate = self._gates[url] = Gate(
+            turnstile = self._turnstiles[url] = Turnstile(
                 Path(env["B70_STATE_DIR"]),
                 health_probe(url),
                 float(env.get("B70_HOLD_S", "300")),
                 port=urllib.parse.urlsplit(url).port,
             )
-        return gate
+        return turnstile
 
     async def async_pre_call_hook(
         self, user_api_key_dict: Any, cache: Any, data: dict[str, Any], call_type: Any
@@ -116,8 +117,10 @@ class HoldHook(routing.Routing, CustomLogger):
         ):
             return data  # several replicas: the router's choice leaves out those held or down
         try:
-            gate = self.gate_for(model if isinstance(model, str) else None)
-            await gate.wait(token if isinstance(token, str) else None, limit_s=routing.peer_limit())
+            turnstile = self.turnstile_for(model if isinstance(model, str) else None)
+            await turnstile.wait(
+                token if isinstance(token, str) else None, limit_s=routing.peer_limit()
+            )
         except HoldTimeout as e:
             # LiteLLM's own error type: every route (chat, completions, streaming or not) keeps
             # its status, headers and message as they are.
@@ -163,10 +166,10 @@ PROVIDER_ERROR = "Hosted_vllmException"  # LiteLLM's name for errors of the host
 async def wait_ready(limit_s: float, token: str | None) -> float:
     """For the door: hold a request whose runtime died until it serves again (or `limit_s`).
     `token`: the request's hold token; a switch's own verification passes its own hold."""
-    gate = hold.gate_for(_asked())
-    gate.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
+    turnstile = hold.turnstile_for(_asked())
+    turnstile.healthy_until = -math.inf  # the runtime just failed: ask it, do not trust the cache
     peer = routing.peer_limit()
-    return await gate.wait(token, limit_s=limit_s if peer is None else peer)  # or HoldTimeout
+    return await turnstile.wait(token, limit_s=limit_s if peer is None else peer)  # or HoldTimeout
 
 
 async def hold_request(token: str | None) -> float:
@@ -174,7 +177,8 @@ async def hold_request(token: str | None) -> float:
     /health. The request's own connection says whether the runtime serves (refused, or 503
     while it loads), and the door then holds it with wait_ready; no request waits for a probe,
     nor shares its worker with one, while the runtime answers."""
-    return await hold.gate_for(_asked()).wait(token, health=False, limit_s=routing.peer_limit())
+    turnstile = hold.turnstile_for(_asked())
+    return await turnstile.wait(token, health=False, limit_s=routing.peer_limit())
 
 
 def _asked() -> str | None:
@@ -199,7 +203,7 @@ if _runtimes is not None and "B70_STATE_DIR" in os.environ:
     # This process's slot in each runtime's open count now, so a drain before the first request
     # reads 0 from the proxy rather than falling back to the runtime's metrics.
     for _url in _runtimes.urls:
-        hold.gate_at(_url).open_requests.add(0)
+        hold.turnstile_at(_url).open_requests.add(0)
 
 
 # --- the API key --------------------------------------------------------------------------------

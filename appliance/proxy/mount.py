@@ -233,12 +233,13 @@ def freeze_the_loaded_heap() -> None:
 
     A proxy worker holds LiteLLM whole: millions of objects, loaded once and kept. Python's
     oldest generation is collected whenever it has grown by a quarter, and each of those
-    collections walks every one of those objects: 450-530 ms here, during which the worker's
-    loop serves nobody (every stream it relays stops, every request it was given waits). Called
-    once, when the worker has loaded its config and router and before it serves: what is loaded
-    by then is collected once and the rest set aside for good (gc.freeze), so later collections
-    walk only what came after. That leaves out of the collections only objects that live as long
-    as the worker; cycles made later are collected as before."""
+    collections walks every one of those objects while the worker's loop serves nobody (every
+    stream it relays stops, every request it was given waits). Called once, when the worker has
+    loaded its config and router and before it serves: what is loaded by then is collected once
+    and the rest set aside for good (gc.freeze), so later collections walk only what came after
+    (docs/proxy.md: `scripts/bench-proxy --parts phases` prints the longest). That leaves out of
+    the collections only objects that live as long as the worker; cycles made later are
+    collected as usual."""
     gc.collect()
     gc.freeze()
 
@@ -246,8 +247,8 @@ def freeze_the_loaded_heap() -> None:
 def quiet_access_log() -> None:
     """No journal line per request. Under --run_gunicorn, LiteLLM's CLI gives gunicorn an access
     log on stdout, and gunicorn's uvicorn workers write one line per request to it through the
-    `uvicorn.access` logger; that costs every request CPU here and in journald, which is why
-    LITELLM_LOG=ERROR already keeps LiteLLM's own per-request lines out."""
+    `uvicorn.access` logger; that costs every request CPU in the worker and in journald, which is
+    why LITELLM_LOG=ERROR keeps LiteLLM's own per-request lines out too."""
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
@@ -256,9 +257,9 @@ def give_large_blocks_back() -> None:
 
     Refused bodies are read (up to the limit) and parsed here, in blocks of up to megabytes. By
     default glibc raises its mmap threshold each time such a block is freed, so the next ones come
-    from the heap and stay in the proxy's RSS: 10 refused 50 MB chunked bodies and 10 refused
-    8 MiB ones left it 16 MiB larger for good, and it grew on. A fixed threshold
-    (M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_=131072 in the environment would set) keeps it
-    within a few MiB. Elsewhere than glibc this does nothing."""
+    from the heap and stay in the proxy's RSS, which grows with every large refused body. A fixed
+    threshold (M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_=131072 in the environment would set)
+    gives them back (tests/test_door_real.py holds the RSS after rounds of refused bodies
+    within 10 % of what it was). Elsewhere than glibc this does nothing."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)

@@ -5,20 +5,19 @@ straight to it instead (appliance.proxy.direct).
 
 LiteLLM's chat and completion routes turn every request into its own objects (a `Deployment`
 built for each request, a logging object, usage and cost at the end of each stream) and every
-streamed chunk into pydantic objects that it serialises again: about 60 ms of CPU per request
-and 0.9 ms per chunk on a 2-core machine (docs/proxy.md). In a burst of requests that work
+streamed chunk into pydantic objects that it serialises again; in a burst of requests that work
 queues on each worker's one event loop. Its pass-through route for vLLM (`/vllm/{endpoint}`)
 still authenticates the request and picks the deployment with LiteLLM's router (aliases, and
-the routing strategies of several deployments), then relays the runtime's own bytes: about 25 ms
-per request and nothing per chunk. The runtime receives the body as the door checked it, with
-the model name the router resolved, and no header of the client's.
+the routing strategies of several deployments), then relays the runtime's own bytes: less work
+per request, and none per chunk. The runtime receives the body as the door checked it, with the
+model name the router resolved, and no header of the client's.
 
 The pass-through route answers every failure with a bare 500: a runtime that refused the
 request (4xx), a runtime that is down, a runtime that died after its stream's status line and
 before its first event. So the answer is kept back until its first bytes, and one that fails
 before them goes the full way instead (LiteLLM's chat or completion route, the hold's hook, the
-door's resending), which names the error, or waits for the runtime and sends it again, as
-before. Only an answer that has begun is never taken back.
+door's resending), which names the error, or waits for the runtime and sends it again. Only an
+answer that has begun is never taken back.
 
 Imported by the proxy: nothing from the rest of the controller but appliance.proxy.
 """

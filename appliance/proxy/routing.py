@@ -21,7 +21,7 @@ import httpx
 
 from appliance import hold as hold_mark
 from appliance.proxy import backend, direct, door, mount
-from appliance.proxy.waiting import HEALTH_TIMEOUT_S, HEALTH_TTL_S, POLL_S, Gate, HoldTimeout
+from appliance.proxy.waiting import HEALTH_TIMEOUT_S, HEALTH_TTL_S, POLL_S, HoldTimeout, Turnstile
 
 
 def peer_limit() -> float | None:
@@ -32,15 +32,15 @@ def peer_limit() -> float | None:
 
 
 class Routing:
-    """The hook's part for names with several deployments (HoldHook defines the gates)."""
+    """The hook's part for names with several deployments (HoldHook keeps the turnstiles)."""
 
     runtimes: mount.Runtimes | None
     _peers: dict[str, Peer]
 
-    def gate_for(self, model: str | None) -> Gate:
+    def turnstile_for(self, model: str | None) -> Turnstile:
         raise NotImplementedError
 
-    def gate_at(self, url: str) -> Gate:
+    def turnstile_at(self, url: str) -> Turnstile:
         raise NotImplementedError
 
     async def async_filter_deployments(
@@ -73,7 +73,7 @@ class Routing:
         if is_peer:
             from_peer = ticket is not None and ticket.from_peer
             return not from_peer and self.peer(url).usable()
-        return self.gate_at(url).admits(ticket.token if ticket else None, mark)
+        return self.turnstile_at(url).admits(ticket.token if ticket else None, mark)
 
     def peer(self, url: str) -> Peer:
         found = self._peers.get(url)
@@ -91,7 +91,7 @@ class Routing:
             return None
         state_dir = Path(os.environ["B70_STATE_DIR"])
         ticket = hold_mark.TICKET.get()
-        first = self.gate_for(None)
+        first = self.turnstile_for(None)
         start = first.clock()
         limit = first.hold_s if peer_limit() is None else 0.0
         while True:
@@ -123,10 +123,11 @@ class Routing:
             return None
         url, is_peer = found
         if not is_peer:
-            gate = self.gate_at(url)
+            turnstile = self.turnstile_at(url)
             if ticket is not None:
-                ticket.open(gate.open_requests)
-            if not gate.admits(ticket.token if ticket else None, hold_mark.read_mark(state_dir)):
+                ticket.open(turnstile.open_requests)
+            token = ticket.token if ticket else None
+            if not turnstile.admits(token, hold_mark.read_mark(state_dir)):
                 return None
         return self.runtimes.target(deployment, group)
 
@@ -161,8 +162,8 @@ class Routing:
             return False
         mark = hold_mark.read_mark(Path(os.environ["B70_STATE_DIR"]))
         for url in self.runtimes.urls:
-            gate = self.gate_at(url)
-            if not (mark is not None and mark.holds(gate.port)) and await gate.healthy():
+            turnstile = self.turnstile_at(url)
+            if not (mark is not None and mark.holds(turnstile.port)) and await turnstile.healthy():
                 return True
         return False
 

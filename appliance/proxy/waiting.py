@@ -1,5 +1,6 @@
-"""The hold's gate, in the proxy's workers: whether a request may go on to the runtime now, and
-the wait until it may (a switch is marked, or the runtime is not healthy), up to the hold time.
+"""The hold's turnstiles, in the proxy's workers, one per runtime: whether a request may go on to
+the runtime now, and the wait until it may (a switch is marked, or the runtime is not healthy), up
+to the hold time.
 
 The mark, the counts and the tickets it reads and writes are appliance.hold's, which the
 switch imports too; this module is the proxy's alone (it needs an event loop).
@@ -43,8 +44,9 @@ def is_switch_token(token: str | None, mark: Mark) -> bool:
     return token is not None and token != "" and same_secret(token, mark.token)
 
 
-class Gate:
-    """Decides whether a request may go on; waits until it may, or until the hold time is up."""
+class Turnstile:
+    """One runtime's way in: decides whether a request may go on, waits until it may or until
+    the hold time is up, and counts the requests it holds."""
 
     def __init__(
         self,
@@ -56,7 +58,7 @@ class Gate:
         port: int | None = None,
     ) -> None:
         self.state_dir = state_dir
-        self.port = port  # the runtime port whose requests this gate holds and counts
+        self.port = port  # the runtime port whose requests this turnstile holds and counts
         self.probe = probe
         self.hold_s = hold_s
         self.clock = clock

@@ -165,7 +165,7 @@ class SystemEdges:
 
     def start(self, runtime: str) -> dict[str, float]:
         """One StartUnit: Conflicts= stops the old runtime in the same transaction. Waits until
-        the unit is active (its health gate passed); the seconds spent in each sub-state."""
+        the unit is active (its health guard passed); the seconds spent in each sub-state."""
         config, sd = self.config, self.sd
         rt = config.runtime(runtime)
         if sd.sub_state(rt.unit) == "auto-restart":  # a crash loop: end it, start afresh
@@ -173,8 +173,8 @@ class SystemEdges:
             wait_stopped(sd, rt.unit, runtimes.stop_timeouts(rt).unit_s + 30)
         sd.reset_failed(rt.unit)  # a manual switch is not a crash loop: clear the start limit
         sd.start(rt.unit)
-        # What the verification needs (http.client: 30 ms to import on 2 cores) is imported
-        # while systemd stops the old runtime and starts this one, not after.
+        # What the verification needs (http.client; docs/startup.md) is imported while
+        # systemd stops the old runtime and starts this one, not after.
         start_blocked(threading.Thread(target=_import_quietly, args=("appliance.host.health",)))
         others = [o for o in config.runtimes.values() if o.name != rt.name and excludes(o, rt)]
         stop_budget = sum(runtimes.stop_timeouts(o).unit_s for o in others) + 30

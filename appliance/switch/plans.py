@@ -121,7 +121,7 @@ class Observation:
 
     at: float
     runtime: str | None  # the runtime whose unit is active or activating
-    unit_state: str | None  # its ActiveState
+    active_state: str | None  # its unit's ActiveState
     sub_state: str | None
     main_pid: int | None
     healthy: bool
@@ -144,7 +144,7 @@ class Memory:
     failovers: int = 0
     started_at: float = field(default_factory=time.time)
     hold_until: float = 0.0  # after a failed failover: observe only, until then
-    unsaved: str | None = None  # why the state file could not be written, while it cannot
+    unsaved: str | None = None  # why the monitor's record could not be written, while it cannot
 
 
 @dataclass(frozen=True)
@@ -167,14 +167,14 @@ def judge(
         m.runtime, m.failures, m.restarts = o.runtime, 0, 0
     if o.runtime is None:
         return None
-    if o.unit_state == "failed":  # 2. systemd gave up on it
+    if o.active_state == "failed":  # 2. systemd gave up on it
         m.last_failure = {
             "at": o.at,
             "runtime": o.runtime,
             "reason": f"unit failed ({o.sub_state})",
         }
         return _failover(m, o, fallback, "its unit failed and systemd gave up restarting it")
-    if o.unit_state != "active":  # starting, or systemd is restarting it: wait, and count anew
+    if o.active_state != "active":  # starting, or systemd is restarting it: wait, and count anew
         m.failures = 0
         return None
     if o.healthy:

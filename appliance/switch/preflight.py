@@ -7,7 +7,7 @@ import os
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
 from appliance.host import gpu, placement
-from appliance.host.gpu import fit as memgate
+from appliance.host.gpu import fit
 from appliance.layout import PROXY_CONFIG, PROXY_UNIT, Layout
 from appliance.units import runtimes, systemd
 from appliance.units.rendered import installed_as_rendered
@@ -39,21 +39,20 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
     return notes
 
 
-def memory_verdicts(
-    config: Config, target: RuntimeConfig, snap: gpu.Snapshot
-) -> list[memgate.Verdict]:
-    """Each of the target's own cards judged as its unit's memory gate will judge it, once every
-    appliance runtime has stopped: a holder there is found now, before the old runtime stops."""
+def memory_verdicts(config: Config, target: RuntimeConfig, snap: gpu.Snapshot) -> list[fit.Verdict]:
+    """Whether the target fits on each of its own cards once every appliance runtime has stopped,
+    the memory its unit's GPU-memory guard will wait for: a holder there is found now, before
+    the old runtime stops."""
     placed = placement.placements(config)
     devices = placement.devices_of(config, target, placed[target.name] if placed else None)
     ours = container_pids(config)
-    return [memgate.judge_switch(snap, d, target.memory_needed_bytes, ours) for d in devices]
+    return [fit.judge_switch(snap, d, target.memory_needed_bytes, ours) for d in devices]
 
 
 def check_installed(config: Config, lay: Layout, names: tuple[str, ...]) -> None:
     """The installed files `names` are what the config renders. Known from install's stamp when
-    nothing changed since (rendering costs a switch 0.1 s of importing jinja2); else rendered
-    and compared, which names the first file that differs."""
+    nothing changed since (rendering would put jinja2's import on the switch's way); else
+    rendered and compared, which names the first file that differs."""
     if installed_as_rendered(config, lay, names):
         return
     from appliance.units.render import render_all

@@ -50,7 +50,7 @@ def recover_killed(
         if target is None or rt.name == target.name or excludes(rt, target)
     }
     for rt in config.runtimes.values():
-        if rt.name not in group or not sd.state(rt.unit).job_pending:
+        if rt.name not in group or not sd.properties(rt.unit).job_pending:
             continue
         if not wait:
             return None
@@ -72,7 +72,7 @@ def _start_enabled(
 ) -> str:
     """No runtime serves on the killed switch's cards: start the one enabled at boot there (the
     default runtime if none is). Returns what was done."""
-    enabled = [n for n, u in sorted(group.items()) if sd.state(u).unit_file_state == "enabled"]
+    enabled = [n for n, u in sorted(group.items()) if sd.properties(u).unit_file_state == "enabled"]
     default = config.default_runtime if config.default_runtime in group else sorted(group)[0]
     name = enabled[0] if enabled else default
     rt = config.runtime(name)
@@ -110,7 +110,7 @@ def _record_killed(lay: Layout, trace: dict[str, Any], done: str, progress: Prog
 
 def _wait_settled(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while sd.state(unit).job_pending and time.monotonic() < deadline:
+    while sd.properties(unit).job_pending and time.monotonic() < deadline:
         sd.wait_change(min(LOOK_S, max(0.0, deadline - time.monotonic())))
 
 

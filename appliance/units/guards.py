@@ -1,14 +1,14 @@
-"""The gates every unit runs around its main process, whoever started it.
+"""The guards every runtime unit runs around its main process, whoever started it.
 
-`pre` (ExecStartPre=, after the GPU memory gate in the same process: appliance.host.gpu.fit):
-the backend port must be free; a runtime that still holds it is given a moment, a foreign
-process is named and refused. Free means that the runtime could bind it, not only that nothing
-listens there: an outgoing connection's local end holds a port as well.
+`pre`, the port guard (ExecStartPre=, after the GPU-memory guard in the same process:
+appliance.host.gpu.fit): the backend port must be free; a runtime that still holds it is given a
+moment, a foreign process is named and refused. Free means that the runtime could bind it, not
+only that nothing listens there: an outgoing connection's local end holds a port as well.
 
-`ready` (ExecStartPost=): poll the health URL until it answers 200 from the unit's own process.
-systemd keeps waiting if the main process dies during ExecStartPost, so the gate checks it on
-every poll; and a stale server on the same port must not pass for ours, so the listener's pid
-must belong to the unit's process tree (or to its container).
+`ready`, the health guard (ExecStartPost=): poll the health URL until it answers 200 from the
+unit's own process. systemd keeps waiting if the main process dies during ExecStartPost, so the
+guard checks it on every poll; and a stale server on the same port must not pass for ours, so
+the listener's pid must belong to the unit's process tree (or to its container).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ def render_seconds(value: float) -> str:
 
 @functools.cache
 def _environment() -> jinja2.Environment:
-    import jinja2  # only rendering needs it; status and the unit gates do not
+    import jinja2  # only rendering needs it; status and the units' guards do not
 
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -135,14 +135,14 @@ def render_runtime_unit(
                 for i, a in enumerate(runtimes.exec_stop_post(config, runtime)[0])
             ]
         )
-    # One gate process: the GPU memory (as `b70ctl gpu wait-free`), then the port.
-    gate = [config.b70ctl, "unit", "pre", "--port", str(runtime.port)]
-    if config.backend.host != BackendConfig.host:  # the gate's own default
-        gate += ["--host", config.backend.host]
+    # One process for both guards: the GPU memory (as `b70ctl gpu wait-free`), then the port.
+    guard = [config.b70ctl, "unit", "pre", "--port", str(runtime.port)]
+    if config.backend.host != BackendConfig.host:  # the port guard's own default
+        guard += ["--host", config.backend.host]
     for device in placement.devices_of(config, runtime, cards):
-        gate += ["--device", device]
-    gate += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
-    pre.append([*gate, "--gpu-timeout", f"{config.gpu.release_timeout_s:g}"])
+        guard += ["--device", device]
+    guard += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
+    pre.append([*guard, "--gpu-timeout", f"{config.gpu.release_timeout_s:g}"])
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config, runtime)]
     post += ["--engine", runtime.engine.value, "--pid", MAINPID]
     if runtime.launcher is not Launcher.NATIVE:
@@ -214,9 +214,8 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         "PYTHONUNBUFFERED": "1",
         # No reuse of connections to the runtime (0: a pooled connection is always too old).
         # Writing a request onto a keep-alive connection the runtime is closing fails it with
-        # "Connection error" (seen here at 16 concurrent streams); a 3 s limit, under the
-        # runtimes' 5 s, still let one through in 155 requests at 16 streams. A loopback
-        # connect per request costs nothing.
+        # "Connection error"; a keep-alive shorter than the runtime's narrows that race but
+        # leaves it open. A loopback connect per request costs nothing.
         "AIOHTTP_KEEPALIVE_TIMEOUT": "0",
         # For the request hold (appliance.proxy.hook): the switch's mark, the runtimes' addresses
         # (one per port, space-separated), the time.

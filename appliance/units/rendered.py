@@ -1,6 +1,6 @@
 """What install last rendered, and from what: the stamp that lets a switch know the installed
-units are what the config renders without rendering them (the renderer and jinja2 cost a
-switch's start-up 0.1 s to import)."""
+units are what the config renders without rendering them, so that a switch does not import the
+renderer and jinja2."""
 
 from __future__ import annotations
 

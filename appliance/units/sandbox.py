@@ -135,7 +135,7 @@ def _files(
     state: str | None,
     home: str = "yes",
 ) -> list[Directive]:
-    """Private /tmp and home, the paths the unit reads from there, and its writable state.
+    """Private /tmp and home, the paths the unit reads from there, and what it may write.
 
     `state` is the part of the state directory the unit writes ("" all of it, None nothing).
     A user's files are in home (so home stays visible, read-only); a path under /tmp (a config

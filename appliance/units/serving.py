@@ -41,7 +41,7 @@ def wait_started(
     phases: dict[str, float] = {}
     last_sub, last_t = "", start
     while True:
-        st = sd.state(unit)
+        st = sd.properties(unit)
         now = time.monotonic()
         if st.sub_state != last_sub:
             if last_sub:
@@ -67,7 +67,7 @@ def wait_started(
 def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        st = sd.state(unit)
+        st = sd.properties(unit)
         if st.active_state in {"inactive", "failed"} and not st.job_pending:
             return
         sd.wait_change(min(LOOK_S, max(0.0, deadline - time.monotonic())))
@@ -75,7 +75,7 @@ def wait_stopped(sd: systemd.Systemd, unit: str, timeout_s: float) -> None:
 
 
 def serving_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
-    """The runtimes whose units are active (the health gate makes active mean answering): one,
+    """The runtimes whose units are active (the health guard makes active mean answering): one,
     or several side by side on their own cards."""
     return [
         name for name, rt in sorted(config.runtimes.items()) if sd.active_state(rt.unit) == "active"

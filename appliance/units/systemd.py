@@ -30,8 +30,9 @@ MANAGER_PATH = b"/org/freedesktop/systemd1"
 
 
 @dataclass(frozen=True)
-class UnitState:
-    """A unit as its manager describes it."""
+class UnitProperties:
+    """A unit as its manager describes it: the properties the appliance reads, under systemd's
+    own names (LoadState as load_state, and so on)."""
 
     name: str
     load_state: str
@@ -103,10 +104,9 @@ class Systemd:
         path = path_encode(b"/org/freedesktop/systemd1/unit", name.encode())
         return self.bus.get_property(DESTINATION, path, interface, prop, kind)
 
-    def state(self, name: str) -> UnitState:
-        """The unit's state, read property by property: one Get each costs a fraction of a
-        millisecond, where pystemd's Unit().load() introspects the unit first and GetAll reads
-        the hundreds of properties of a service."""
+    def properties(self, name: str) -> UnitProperties:
+        """The unit's properties, read one Get each: pystemd's Unit().load() would introspect the
+        unit first, and GetAll reads the hundreds of properties of a service."""
 
         def unit(prop: bytes, kind: bytes) -> Any:
             return self._get(name, UNIT_INTERFACE, prop, kind)
@@ -125,7 +125,7 @@ class Systemd:
         main_pid = service(b"MainPID", b"u")
         result, status = service(b"Result", b"s"), service(b"ExecMainStatus", b"i")
         restarts = service(b"NRestarts", b"u")
-        return UnitState(
+        return UnitProperties(
             name=name,
             load_state=_text(unit(b"LoadState", b"s")),
             active_state=_text(unit(b"ActiveState", b"s")),
@@ -140,8 +140,8 @@ class Systemd:
             n_restarts=int(restarts) if restarts is not None else None,
         )
 
-    # One property each, for the questions a switch asks on its way: a Get costs a fraction
-    # of a millisecond, where state() asks for a dozen and the unit file's state.
+    # One property each, for the questions a switch asks on its way, where properties() asks
+    # for a dozen and UnitFileState.
 
     def active_state(self, name: str) -> str:
         return _text(self._get(name, UNIT_INTERFACE, b"ActiveState", b"s"))
@@ -232,10 +232,9 @@ def _import_bus_binding() -> None:
     """Import pystemd's sd-bus binding (pystemd.dbuslib) without pystemd's package __init__.
 
     That __init__ only re-exports pystemd's object layer (pystemd.base), which imports lxml to
-    parse the introspection XML this module never asks for: the whole import took about 25 ms
-    here, the binding alone about 7 ms, on every b70ctl that connects. Where pystemd is already
-    imported whole, or the binding needs more of its package than it does today, pystemd is
-    imported the usual way."""
+    parse the introspection XML this module never asks for, on every b70ctl that connects
+    (docs/startup.md compares the two imports). Where pystemd is already imported whole, or the
+    binding needs more of its package than it does today, pystemd is imported the usual way."""
     if "pystemd" in sys.modules:
         return
     spec = importlib.util.find_spec("pystemd")

@@ -74,7 +74,7 @@ class Exporter(Collector):
         )
         for name in sorted(self.config.runtimes):
             o = seen.get(name)
-            serving = o is not None and o.unit_state == "active"
+            serving = o is not None and o.active_state == "active"
             active.add_metric([name], float(serving))
             up.add_metric([name], float(serving and o is not None and o.healthy))
         yield active

@@ -5,7 +5,7 @@ memory and the runtime's own metrics, and exports them to Prometheus on loopback
 restarts a runtime that crashes (Restart=on-failure); the monitor handles what systemd cannot
 see: a hung runtime, one that does not come back, as decided by appliance.switch.plans.judge.
 
-Every decision is written to the monitor state file with its reason; `b70ctl status` shows it.
+Every decision is written to the monitor's record with its reason; `b70ctl status` shows it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from appliance.errors import ApplianceError, from_exception
 from appliance.files import write_atomic
 from appliance.host import gpu, health, runtime_http
 from appliance.host.placement import excludes
-from appliance.layout import LOCK_FILE, MONITOR_STATE, PROXY_UNIT, Layout, Scope, layout
+from appliance.layout import LOCK_FILE, MONITOR_RECORD, PROXY_UNIT, Layout, Scope, layout
 from appliance.switch.lock import try_lock
 from appliance.switch.plans import Action, Memory, Observation, judge
 from appliance.switch.recovery import recover_killed_switch
@@ -63,7 +63,7 @@ def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> list[Observ
     now, switching = time.time(), switch_running(state_dir)
     out = []
     for name, rt in sorted(config.runtimes.items()):
-        st = sd.state(rt.unit)
+        st = sd.properties(rt.unit)
         if st.active_state not in {"active", "activating", "failed"}:
             continue
         if st.active_state == "failed" and st.unit_file_state != "enabled":
@@ -158,23 +158,29 @@ def _restart_unless_switching(config: Config, sd: systemd.Systemd, runtime: str)
         sd.restart(config.runtime(runtime).unit)
 
 
+def observation_doc(o: Observation) -> dict[str, Any]:
+    """An observation as the record and `monitor --once --json` give it; `unit_state` repeats
+    `active_state` under the key that scripts read."""
+    return {**asdict(o), "unit_state": o.active_state}
+
+
 def save(state_dir: Path, m: Memory, o: Observation | None, log: Any = None) -> dict[str, Any]:
-    """Write the monitor's state for `status` and its next start. A state that cannot be
+    """Write the monitor's record, for `status` and for its next start. A record that cannot be
     written (a full file system) is logged once, not fatal: the monitor goes on watching, and
     its counters live on in memory until the file can be written again."""
     doc = asdict(m)
-    doc["last_observation"] = asdict(o) if o else None
+    doc["last_observation"] = observation_doc(o) if o else None
     doc["pid"] = os.getpid()
     try:
-        write_atomic(state_dir / MONITOR_STATE, json.dumps(doc, sort_keys=True) + "\n")
+        write_atomic(state_dir / MONITOR_RECORD, json.dumps(doc, sort_keys=True) + "\n")
     except OSError as e:
-        problem = f"cannot save the monitor's state: {e.filename}: {e.strerror or e}"
+        problem = f"cannot save the monitor's record: {e.filename}: {e.strerror or e}"
         if log is not None and m.unsaved != problem:
             log(problem + "; it is kept in memory until it can be written")
         m.unsaved = problem
         return doc
     if log is not None and m.unsaved:
-        log("the monitor's state is saved again")
+        log("the monitor's record is saved again")
     m.unsaved = None
     return doc
 
@@ -200,7 +206,7 @@ def restore(state_dir: Path) -> Memory:
 
 
 def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str, Any]:
-    """Sample and act every interval; with `once`, one sample, returned as the state file has it."""
+    """Sample and act every interval; with `once`, one sample, returned as the record has it."""
     from appliance.watch import metrics
 
     lay = layout(scope)
@@ -262,9 +268,9 @@ def sample(
             if action:
                 act(config, scope, sd, action, m, log, mine)
                 save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
-        units = {rt.unit: sd.state(rt.unit) for rt in config.runtimes.values()}
-        units[PROXY_UNIT] = sd.state(PROXY_UNIT)
-    o = observed[0]  # the first runtime by name: the one the state file describes
+        units = {rt.unit: sd.properties(rt.unit) for rt in config.runtimes.values()}
+        units[PROXY_UNIT] = sd.properties(PROXY_UNIT)
+    o = observed[0]  # the first runtime by name: the one the record describes
     first = watched[o.runtime or ""]
     m.runtime, m.failures, m.restarts = first.runtime, first.failures, first.restarts
     proxy = health.probe(
@@ -274,5 +280,5 @@ def sample(
     exporter.update(observed, m, units, proxy.healthy, snap, lay.state_dir, watched)
     samples.append(lay.state_dir, samples.sample_of(observed, exporter.snapshot["held"].now, snap))
     doc = save(lay.state_dir, m, o, log)
-    doc["observations"] = [asdict(each) for each in observed]
+    doc["observations"] = [observation_doc(each) for each in observed]
     return doc

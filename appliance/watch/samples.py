@@ -1,5 +1,5 @@
 """The monitor's files: its samples, kept on disk as a bounded ring (the last hour, for the
-status page), and what it saved of itself (layout.MONITOR_STATE, for `status`).
+status page), and its record, what it saved of itself (layout.MONITOR_RECORD, for `status`).
 
 One JSON line per sample in the state directory (layout.SAMPLES), appended with O_APPEND so
 that a reader never sees half a line; once the oldest line is more than SLACK_S past the hour,
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.files import write_atomic
-from appliance.layout import MONITOR_STATE, SAMPLES
+from appliance.layout import MONITOR_RECORD, SAMPLES
 
 KEEP_S = 3600.0
 SLACK_S = 300.0
@@ -24,8 +24,9 @@ SLACK_S = 300.0
 
 def sample_of(observed: list[Any], held_now: int, snap: Any) -> dict[str, Any]:
     """One line of the ring: each runtime watched and its work (several serve side by side on
-    their own cards), requests held, and VRAM per card. `runtime` and `state` name the first
-    by name; `healthy` says every serving runtime is; `in_flight` is the sum of those known."""
+    their own cards), requests held, and VRAM per card. `runtime` names the first by name, and
+    `state` is its unit's ActiveState (the key the status page reads); `healthy` says every
+    serving runtime is; `in_flight` is the sum of those known."""
     cards = []
     for mem in snap.devices:
         units: dict[str, int] = {}
@@ -42,18 +43,18 @@ def sample_of(observed: list[Any], held_now: int, snap: Any) -> dict[str, Any]:
         )
     first = observed[0]
     watched = [o for o in observed if o.runtime is not None]
-    serving = [o for o in watched if o.unit_state == "active"]
+    serving = [o for o in watched if o.active_state == "active"]
     known = [o.in_flight for o in watched if o.in_flight is not None]
     return {
         "t": round(first.at, 3),
         "runtime": first.runtime,
-        "state": first.unit_state,
+        "state": first.active_state,
         "healthy": bool(serving) and all(o.healthy for o in serving),
         "switching": first.switching,
         "in_flight": sum(known) if known else None,
         "runtimes": {
             o.runtime: {
-                "state": o.unit_state,
+                "state": o.active_state,
                 "healthy": o.healthy,
                 "in_flight": o.in_flight,
                 "generated": o.generated,  # tokens since it started: tokens/s between samples
@@ -110,9 +111,10 @@ def read(state_dir: Path, since: float | None = None) -> list[dict[str, Any]]:
 
 
 def read_monitor(state_dir: Path) -> dict[str, Any] | None:
-    """What the monitor last saved of itself (its counters, last observation and action)."""
+    """The monitor's record: what it last saved of itself (its counters, last observation and
+    action)."""
     try:
-        data = json.loads((state_dir / MONITOR_STATE).read_text())
+        data = json.loads((state_dir / MONITOR_RECORD).read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -21,13 +21,13 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     units += [PROXY_SOCKET, PROXY_UNIT, MONITOR_UNIT]
     with systemd.connect(scope) as sd:
         killed = waiting_trace(lay.state_dir)  # status writes nothing, for any user
-        states = {u: sd.state(u) for u in units}
+        props = {u: sd.properties(u) for u in units}
     active = [
-        n for n, rt in sorted(config.runtimes.items()) if states[rt.unit].active_state == "active"
+        n for n, rt in sorted(config.runtimes.items()) if props[rt.unit].active_state == "active"
     ]
     urls, backend = _probe_backends(config, active)
     proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
-    foreign = backend_squatter(config, states)
+    foreign = backend_squatter(config, props)
     cards = cards_view(config)
     served = {
         rt.unit: {"port": rt.port, "model": rt.served_model_name} for rt in config.runtimes.values()
@@ -37,9 +37,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         "config": str(config.path),
         "active_runtime": active[0] if len(active) == 1 else None,
         "active_runtimes": active,
-        "units": [
-            _unit_view(s, cards.get(s.name), served.get(s.name, {})) for s in states.values()
-        ],
+        "units": [_unit_view(s, cards.get(s.name), served.get(s.name, {})) for s in props.values()],
         "backend": {
             "url": " ".join(urls),
             "healthy": backend.healthy and foreign is None,
@@ -75,7 +73,9 @@ def _probe_backends(config: Config, active: list[str]) -> tuple[list[str], healt
     )
 
 
-def _unit_view(s: systemd.UnitState, cards: str | None, served: dict[str, Any]) -> dict[str, Any]:
+def _unit_view(
+    s: systemd.UnitProperties, cards: str | None, served: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "unit": s.name,
         "load": s.load_state,
@@ -106,15 +106,15 @@ def cards_view(config: Config) -> dict[str, str]:
     return {config.runtimes[n].unit: placement.describe(c) for n, c in placed.items()}
 
 
-def backend_squatter(config: Config, states: dict[str, systemd.UnitState]) -> str | None:
+def backend_squatter(config: Config, props: dict[str, systemd.UnitProperties]) -> str | None:
     """A process on a runtime port that no runtime unit started, named; None if there is none.
 
     A container runtime serves from a process outside its unit: while one runs, nothing is named.
     """
-    running = [rt for rt in config.runtimes.values() if states[rt.unit].main_pid]
+    running = [rt for rt in config.runtimes.values() if props[rt.unit].main_pid]
     if any(rt.launcher is not Launcher.NATIVE for rt in running):
         return None
-    pids = [states[rt.unit].main_pid or 0 for rt in running]
+    pids = [props[rt.unit].main_pid or 0 for rt in running]
     for port in sorted({rt.port for rt in config.runtimes.values()}):
         # A socket of another user's (pid None) cannot be told from the runtime's own by an
         # account that is not root, which sees only its own processes' sockets: not named.

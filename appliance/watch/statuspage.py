@@ -8,7 +8,7 @@ Routes:
                          switch the page started and its phases so far, requests held, the
                          journal's tail
   POST /api/switch       {"runtime": NAME}: runs `b70ctl switch NAME`; one at a time
-  GET  /metrics          Prometheus text, as before
+  GET  /metrics          Prometheus text (appliance.watch.metrics)
 
 A request must name in its one Host header a host the page is served as (Page.serves), with the
 page's port or none; any other gets 421 before anything is read, so a site whose name was rebound
@@ -162,12 +162,13 @@ class Page:
 
     # --- what the page shows ------------------------------------------------------------------
 
-    def state(self, since: float | None) -> dict[str, Any]:
+    def view(self, since: float | None) -> dict[str, Any]:
+        """What the page shows (GET /api/state): the samples after `since`, and the rest now."""
         cards = status.cards_view(self.config)
         units = []
         with systemd.connect(self.lay.scope) as sd:
             for name, rt in sorted(self.config.runtimes.items()):
-                st = sd.state(rt.unit)
+                st = sd.properties(rt.unit)
                 units.append({"runtime": name, "unit": rt.unit, "engine": rt.engine.value,
                               "active": st.active_state, "sub": st.sub_state,
                               "cards": cards.get(rt.unit)})  # fmt: skip
@@ -315,7 +316,7 @@ class Handler(BaseHTTPRequestHandler):
                 since = float(query["since"][0]) if "since" in query else None
             except ValueError:
                 return self.refuse(HTTPStatus.BAD_REQUEST, "since: not a number")
-            self.send_json(HTTPStatus.OK, self.page.state(since))
+            self.send_json(HTTPStatus.OK, self.page.view(since))
         elif path == "/metrics":
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 

@@ -1,7 +1,7 @@
-"""Decisions on GPU memory: may a runtime start now, and would a switch leave it enough?
+"""Whether a runtime fits in GPU memory: may it start now, and would a switch leave it enough?
 
-`judge_start` is what a runtime unit's ExecStartPre waits on; `judge_switch` is the switch's
-preflight. Both are pure functions of a gpu.Snapshot.
+`judge_start` is what a runtime unit's GPU-memory guard (ExecStartPre) waits for; `judge_switch`
+is the switch's preflight. Both are pure functions of a gpu.Snapshot.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def judge_start(snap: gpu.Snapshot, wanted: str, need_bytes: int, unit: str | No
     free = mem.free_bytes
     if free is None:
         return Verdict(
-            True, f"{slot}: total memory unknown ({mem.error or mem.source}); not gated", slot
+            True, f"{slot}: total memory unknown ({mem.error or mem.source}); not checked", slot
         )
     if free < need_bytes:
         foreign = [(h, b) for h, b in mem.holders if not is_appliance(h)]
@@ -92,11 +92,11 @@ def judge_switch(snap: gpu.Snapshot, wanted: str, need_bytes: int, ours: set[int
     """
     mem = pick_device(snap, wanted)
     if mem is None:
-        return Verdict(True, "no Intel GPU found: GPU memory not gated")
+        return Verdict(True, "no Intel GPU found: GPU memory not checked")
     slot = mem.device.pci_slot
     if mem.total_bytes is None:
         return Verdict(
-            True, f"{slot}: total memory unknown ({mem.error or mem.source}); not gated", slot
+            True, f"{slot}: total memory unknown ({mem.error or mem.source}); not checked", slot
         )
     foreign = [(h, b) for h, b in mem.holders if not is_appliance(h) and h.pid not in ours]
     appliance_held = mem.held_bytes - sum(b for _, b in foreign)

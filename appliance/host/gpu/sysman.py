@@ -77,11 +77,11 @@ def _read(pyzes: Any) -> dict[str, SysmanMemory]:
                 )
                 if props.location != pyzes.ZES_MEM_LOC_DEVICE:
                     continue
-                state = pyzes.zes_mem_state_t()
-                state.stype = pyzes.ZES_STRUCTURE_TYPE_MEM_STATE
-                _check(pyzes.zesMemoryGetState(mem, ctypes.byref(state)), "zesMemoryGetState")
-                total += state.size
-                free += state.free
+                usage = pyzes.zes_mem_state_t()
+                usage.stype = pyzes.ZES_STRUCTURE_TYPE_MEM_STATE
+                _check(pyzes.zesMemoryGetState(mem, ctypes.byref(usage)), "zesMemoryGetState")
+                total += usage.size
+                free += usage.free
             if total:
                 out[slot] = SysmanMemory(slot, total, None if free == total else total - free)
     return out
