@@ -69,7 +69,7 @@ def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Applian
     out = subprocess.run(
         [
             *(sys.executable, "-m", "b70tools.soak", "--user"),
-            *("--config", str(appliance.config), "--minutes", "2", "--switch-every", "0.4"),
+            *("--config", str(appliance.config), "--minutes", "1.2", "--switch-every", "0.3"),
             *("--clients", "4", "--sample-s", "2", "--warmup-s", "10", "--max-growth", "0.5"),
             "--json",
         ],
