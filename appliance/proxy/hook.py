@@ -78,11 +78,6 @@ class HoldHook(routing.Routing, CustomLogger):
         self._turnstiles: dict[str, Turnstile] = {}
         self._peers: dict[str, routing.Peer] = {}
 
-    @property
-    def turnstile(self) -> Turnstile:
-        """The first runtime's turnstile (the only one, unless runtimes serve side by side)."""
-        return self.turnstile_for(None)
-
     def turnstile_for(self, model: str | None) -> Turnstile:
         """The turnstile of the runtime that serves `model`."""
         if self._turnstile is not None:
