@@ -13,6 +13,17 @@ from appliance.host.processes import ephemeral_range
 LOWEST = 10000
 
 _handed_out: set[int] = set()
+# (i, n): ports come from the i-th of n equal slices of the range, so that n processes that each
+# hand out ports (the test suite's workers) never hand out the same one.
+_slice = (0, 1)
+
+
+def take_slice(index: int, count: int) -> None:
+    """From now on, hand out ports only from the `index`-th of `count` equal slices."""
+    global _slice
+    if not 0 <= index < count:
+        raise ValueError(f"slice {index} of {count}")
+    _slice = (index, count)
 
 
 def bindable(port: int) -> bool:
@@ -32,6 +43,9 @@ def free_ports(count: int = 1, *, attempts: int = 200) -> int:
     low, top = LOWEST, span[0] if span else 32768
     if top - low < 1000:  # the kernel may take nearly every port: no range is safe from it
         low, top = 1024, 65536
+    index, slices = _slice
+    width = (top - low) // slices
+    low, top = low + index * width, low + (index + 1) * width
     for _ in range(attempts):
         first = random.randrange(low, top - count + 1)
         block = range(first, first + count)

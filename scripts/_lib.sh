@@ -38,6 +38,21 @@ cache_build() {
     mv "$final.partial" "$final"
 }
 
+# uv_bin: the path of uv, installed once into the cache (never into .venv). scripts/lock resolves
+# the locks with it, scripts/bootstrap installs them with it.
+UV_VERSION=0.13.9
+uv_bin() {
+    cache_build "uv-$UV_VERSION" _build_uv
+    echo "$B70_CACHE/uv-$UV_VERSION/bin/uv"
+}
+_build_uv() {
+    local dir=$1 tmp
+    tmp=$(mktemp -d)
+    "$(find_python)" -m venv "$tmp/venv"
+    "$tmp/venv/bin/python" -m pip install --quiet --target "$dir" "uv==$UV_VERSION"
+    rm -rf "$tmp"
+}
+
 # install_debian_packages PKG...: those of them not installed yet, from Debian's registry (root).
 install_debian_packages() {
     local pkg need=()

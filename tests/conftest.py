@@ -22,8 +22,15 @@ import pytest
 # Tests import LiteLLM (the proxy hook): without this it fetches a price list from the internet.
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
+from b70tools import net
 from b70tools.demo_appliance import demo_text
 from b70tools.net import free_port, free_ports
+
+# scripts/test runs the modules on pytest-xdist workers: each hands out ports from a slice of its
+# own, so that two appliances never get the same port.
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...: unset without workers
+if WORKER:
+    net.take_slice(int(WORKER.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
 
 REPO = Path(__file__).resolve().parent.parent
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
@@ -117,14 +124,48 @@ def manager_cgroups() -> dict[str, list[int]]:
 STARTED_MANAGERS: set[str] = set()
 
 
+# mypy needs about 5 s on a clone with no .mypy_cache, all of it on one core: when tests/test_lint.py
+# is selected, it starts as collection ends and checks the tree on the other core while the first
+# tests run; test_mypy reads its answer.
+BESIDE: dict[str, subprocess.Popen[str]] = {}
+
+
+def mypy_beside() -> subprocess.Popen[str]:
+    """The mypy run of this session, started now if the collection did not start it."""
+    if "mypy" not in BESIDE:
+        BESIDE["mypy"] = subprocess.Popen(
+            [str(Path(sys.executable).parent / "mypy")],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    return BESIDE["mypy"]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if WORKER:  # each worker collects every test: the one that is given test_mypy starts it
+        return
+    if any(item.nodeid == "tests/test_lint.py::test_mypy" for item in session.items):
+        mypy_beside()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Every process the suite started is stopped by the time it ends, pass or fail: a manager
     (and what runs in it) or a child of this process still alive fails the run, and is killed."""
     import psutil
 
+    for proc in BESIDE.values():  # a run cut short (-x, Ctrl-C) before test_mypy read it
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
     leaked = {n: p for n, p in manager_cgroups().items() if n in STARTED_MANAGERS and p}
     children = []
-    for child in psutil.Process().children(recursive=True):
+    # Under pytest-xdist, each worker checks what it started; the workers are the controller's
+    # children until it ends, and the controller starts nothing else.
+    controller = not WORKER and session.config.pluginmanager.has_plugin("dsession")
+    for child in [] if controller else psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if child.status() != psutil.STATUS_ZOMBIE:
                 children.append(child)
@@ -154,11 +195,37 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+# The modules that take longest, longest first (`pytest -m real --durations=0`, summed per
+# module): pytest-xdist hands out modules in the order collected, so these start first and the
+# two workers end close together instead of one running a long module alone at the end.
+LONGEST = (
+    "test_load_real",
+    "test_system_box_real",
+    "test_faults_real",
+    "test_engines_real",
+    "test_door_real",
+    "test_terminal_real",
+    "test_system_box_podman_real",
+    "test_bench",
+    "test_replicas_real",
+    "test_status_page_real",
+    "test_monitor",
+    "test_install_real",
+    "test_switch_real",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         module = getattr(getattr(item, "module", None), "__name__", "")
         if module.endswith("_real") or REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real)
+
+    def rank(item: pytest.Item) -> int:
+        name = item.path.stem
+        return LONGEST.index(name) if name in LONGEST else len(LONGEST)
+
+    items.sort(key=rank)  # stable: within a module, and among the rest, the order stays
 
 
 @pytest.fixture(scope="session")
@@ -315,7 +382,16 @@ def appliance(manager: Manager, tmp_path_factory: pytest.TempPathFactory) -> Ite
     root = tmp_path_factory.mktemp("appliance")
     corrupt = root / "corrupt.gguf"
     corrupt.write_bytes(b"GGUF" + os.urandom(4096))  # a GGUF magic, then garbage
+    # llamacpp-b: a second llama.cpp runtime, for the tests that need another runtime to switch
+    # to and not vLLM's half-minute start in particular; broken: one whose start fails.
     broken = f"""
+[runtimes.llamacpp-b]
+engine = "llamacpp"
+command = ["{LLAMA_SERVER}"]
+model = "{GGUF}"
+start_timeout_s = 120
+args = ["-c", "2048", "--parallel", "2", "--threads", "2"]
+
 [runtimes.broken]
 engine = "llamacpp"
 command = ["{LLAMA_SERVER}"]

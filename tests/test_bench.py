@@ -307,13 +307,13 @@ def test_switch_with_gate_rolls_back_when_a_gate_fails(appliance: Appliance) -> 
     appliance.b70ctl("switch", "llamacpp", check=True)
     canaries = Path(appliance.manager.env["XDG_STATE_HOME"]) / "b70" / "canaries.json"
     known = json.loads(canaries.read_text()) if canaries.exists() else {}
-    known["vllm"] = {p: "an answer vLLM will not give" for p in gate.CANARIES}
+    known["llamacpp-b"] = {p: "an answer it will not give" for p in gate.CANARIES}
     canaries.write_text(json.dumps(known))
-    out = appliance.b70ctl("switch", "vllm", "--gate")
+    out = appliance.b70ctl("switch", "llamacpp-b", "--gate")
     assert out.returncode == 1
     assert (
-        "switch to vllm failed: vllm failed the validity gates: canaries: 3 of 3 answers changed"
-        in out.stderr
-    )
+        "switch to llamacpp-b failed: llamacpp-b failed the validity gates: canaries: "
+        "3 of 3 answers changed"
+    ) in out.stderr
     assert "rolled back: llamacpp is serving again" in out.stderr
     assert appliance.json("status")["result"]["active_runtime"] == "llamacpp"

@@ -181,7 +181,7 @@ def test_a_killed_switch_to_another_runtime_leaves_boot_and_serving_agreeing(
     # The runtime that serves is the one enabled at boot, and no other runtime is.
     assert enabled["b70-vllm.service"] == ("enabled" if serving == "vllm" else "disabled")
     assert enabled["b70-llamacpp.service"] == ("enabled" if serving == "llamacpp" else "disabled")
-    assert enabled["b70-broken.service"] == "disabled"
+    assert enabled["b70-broken.service"] == enabled["b70-llamacpp-b.service"] == "disabled"
     assert {
         enabled[u] for u in ("b70-litellm.socket", "b70-litellm.service", "b70-monitor.service")
     } == {"enabled"}
@@ -385,7 +385,7 @@ def test_a_full_file_system_under_the_state_directory_changes_nothing(
         assert (folder / "filler").stat().st_size > 0
         appliance.manager.systemctl("restart", "b70-monitor.service")
         before = sorted(p.name for p in folder.iterdir())
-        out = appliance.b70ctl("switch", "vllm")
+        out = appliance.b70ctl("switch", "llamacpp-b")
         assert out.returncode == 1, out.stdout + out.stderr
         assert "No space left on device" in out.stderr and str(folder) in out.stderr
         assert "nothing was changed" in out.stderr and "Traceback" not in out.stderr
@@ -401,9 +401,9 @@ def test_a_full_file_system_under_the_state_directory_changes_nothing(
         assert sorted(show.split()) == ["ActiveState=active", "NRestarts=0"], show
         for enter in namespaces:  # room again
             subprocess.run([*enter, "rm", "-f", str(folder / "filler")], check=True)
-        out = appliance.b70ctl("switch", "vllm")
+        out = appliance.b70ctl("switch", "llamacpp-b")
         assert out.returncode == 0, out.stderr
-        assert appliance.json("status")["result"]["active_runtime"] == "vllm"
+        assert appliance.json("status")["result"]["active_runtime"] == "llamacpp-b"
     finally:
         for enter in reversed(mounted):
             subprocess.run([*enter, "umount", "-l", str(folder)], check=False)

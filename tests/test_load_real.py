@@ -25,13 +25,13 @@ def load_target(lt, appliance: Appliance):  # type: ignore[no-untyped-def]
     )
 
 
-def test_eight_clients_four_switches_no_failed_request_no_truncated_stream(
+def test_eight_clients_two_switches_no_failed_request_no_truncated_stream(
     appliance: Appliance,
 ) -> None:
     lt = load_test_module()
     target = load_target(lt, appliance)
     report = asyncio.run(
-        lt.run(target, clients=8, switches=4, between=("llamacpp", "vllm"), steady_s=20, log=print)
+        lt.run(target, clients=8, switches=2, between=("llamacpp", "vllm"), steady_s=20, log=print)
     )
     s = report.summary()
     print(lt.render_summary(s))
@@ -41,7 +41,7 @@ def test_eight_clients_four_switches_no_failed_request_no_truncated_stream(
     # The test proves something only if requests really overlapped the switches and ran before.
     assert s["steady_phase"]["succeeded"] >= 8
     assert s["during_switches"]["succeeded"] >= 8
-    assert [sw["target"] for sw in s["switches"]] == ["vllm", "llamacpp", "vllm", "llamacpp"]
+    assert [sw["target"] for sw in s["switches"]] == ["vllm", "llamacpp"]
 
 
 def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Appliance) -> None:
@@ -50,7 +50,7 @@ def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Applia
     lt = load_test_module()
     target = load_target(lt, appliance)
     report = asyncio.run(
-        lt.run(target, clients=16, switches=0, between=("llamacpp", "vllm"), steady_s=40)
+        lt.run(target, clients=16, switches=0, between=("llamacpp", "vllm"), steady_s=20)
     )
     s = report.summary()
     print(lt.render_summary(s))
@@ -58,7 +58,7 @@ def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Applia
         print(appliance.b70ctl("logs", "proxy", "-n", "80").stdout)
     assert s["all"]["failed"] == 0, s["errors"]
     assert s["all"]["truncated"] == 0, s["errors"]
-    assert s["steady_phase"]["succeeded"] >= 32
+    assert s["steady_phase"]["succeeded"] >= 16
 
 
 def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Appliance) -> None:

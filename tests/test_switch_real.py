@@ -17,7 +17,12 @@ import openai
 
 from tests.conftest import Appliance
 
-RUNTIME_UNITS = ["b70-broken.service", "b70-llamacpp.service", "b70-vllm.service"]
+RUNTIME_UNITS = [
+    "b70-broken.service",
+    "b70-llamacpp.service",
+    "b70-llamacpp-b.service",
+    "b70-vllm.service",
+]
 
 
 class ExclusionSampler(threading.Thread):

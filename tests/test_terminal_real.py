@@ -150,7 +150,12 @@ def interrupted_on_terminal(app: Appliance, phase: str) -> tuple[int, str, int]:
 
 
 def enabled_runtimes(status: dict[str, Any]) -> set[str]:
-    runtimes = {"b70-llamacpp.service", "b70-vllm.service", "b70-broken.service"}
+    runtimes = {
+        "b70-llamacpp.service",
+        "b70-llamacpp-b.service",
+        "b70-vllm.service",
+        "b70-broken.service",
+    }
     return {
         u["unit"] for u in status["units"] if u["unit"] in runtimes and u["enabled"] == "enabled"
     }
