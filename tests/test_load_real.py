@@ -16,7 +16,10 @@ def load_test_module():  # type: ignore[no-untyped-def]
 
 
 def load_target(lt, appliance: Appliance):  # type: ignore[no-untyped-def]
-    """The test appliance as b70tools.load_test addresses an installed one."""
+    """The test appliance as b70tools.load_test addresses an installed one, its proxy up: systemd
+    starts the proxy on the first connection to its socket, and that start (LiteLLM's import,
+    seconds, longer on a busy machine) must not count against the load test's steady phase."""
+    assert appliance.ask().strip()
     return lt.Target(
         f"http://127.0.0.1:{appliance.proxy_port}",
         appliance.key,
