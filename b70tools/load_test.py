@@ -247,9 +247,11 @@ async def run(
     pause_s: float = 2.0,
     log: Any = None,
     replicas: Replicas | None = None,
+    steady_min: int = 0,
 ) -> Report:
-    """Steady load for `steady_s`, then `switches` switches alternating over `between`; with
-    `replicas`, the serving capacity sampled while each switch runs."""
+    """Steady load for `steady_s`, and on until `steady_min` requests have succeeded (at most
+    ten times `steady_s`: a busy machine serves slowly), then `switches` switches alternating
+    over `between`; with `replicas`, the serving capacity sampled while each switch runs."""
     report = Report(clients, steady_s)
     first = await switch(target, between[0])  # start from a known runtime
     if not first.ok:
@@ -261,6 +263,12 @@ async def run(
     ]
     try:
         await asyncio.sleep(steady_s)
+        deadline = time.monotonic() + 9 * steady_s
+        while (
+            sum(o.result == "succeeded" for o in report.outcomes) < steady_min
+            and time.monotonic() < deadline
+        ):
+            await asyncio.sleep(0.2)
         for i in range(switches):
             runtime = between[(i + 1) % 2]
             watching = asyncio.Event()

@@ -34,7 +34,15 @@ def test_eight_clients_two_switches_no_failed_request_no_truncated_stream(
     lt = load_test_module()
     target = load_target(lt, appliance)
     report = asyncio.run(
-        lt.run(target, clients=8, switches=2, between=("llamacpp", "vllm"), steady_s=20, log=print)
+        lt.run(
+            target,
+            clients=8,
+            switches=2,
+            between=("llamacpp", "vllm"),
+            steady_s=20,
+            log=print,
+            steady_min=8,
+        )
     )
     s = report.summary()
     print(lt.render_summary(s))
@@ -53,7 +61,14 @@ def test_sixteen_streams_of_steady_load_without_a_single_error(appliance: Applia
     lt = load_test_module()
     target = load_target(lt, appliance)
     report = asyncio.run(
-        lt.run(target, clients=16, switches=0, between=("llamacpp", "vllm"), steady_s=20)
+        lt.run(
+            target,
+            clients=16,
+            switches=0,
+            between=("llamacpp", "vllm"),
+            steady_s=20,
+            steady_min=16,
+        )
     )
     s = report.summary()
     print(lt.render_summary(s))
