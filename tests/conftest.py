@@ -26,8 +26,8 @@ from b70tools import net
 from b70tools.demo_appliance import demo_text
 from b70tools.net import free_port, free_ports
 
-# scripts/test runs the modules on pytest-xdist workers: each hands out ports from a slice of its
-# own, so that two appliances never get the same port.
+# pytest runs the modules on pytest-xdist workers (addopts in pyproject.toml): each hands out ports
+# from a slice of its own, so that two appliances never get the same port.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...: unset without workers
 if WORKER:
     net.take_slice(int(WORKER.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
@@ -124,9 +124,10 @@ def manager_cgroups() -> dict[str, list[int]]:
 STARTED_MANAGERS: set[str] = set()
 
 
-# mypy needs about 5 s on a clone with no .mypy_cache, all of it on one core: when tests/test_lint.py
-# is selected, it starts as collection ends and checks the tree on the other core while the first
-# tests run; test_mypy reads its answer.
+# mypy needs about 5 s on a clone with no .mypy_cache, all of it on one core. In one process
+# (`-n 0`), when tests/test_lint.py is selected, it starts as collection ends and checks the tree
+# on the other core while the first tests run; test_mypy reads its answer. On workers, the worker
+# given test_mypy runs it while the other worker runs other modules.
 BESIDE: dict[str, subprocess.Popen[str]] = {}
 
 
