@@ -124,42 +124,10 @@ def manager_cgroups() -> dict[str, list[int]]:
 STARTED_MANAGERS: set[str] = set()
 
 
-# mypy needs about 5 s on a clone with no .mypy_cache, all of it on one core. In one process
-# (`-n 0`), when tests/test_lint.py is selected, it starts as collection ends and checks the tree
-# on the other core while the first tests run; test_mypy reads its answer. On workers, the worker
-# given test_mypy runs it while the other worker runs other modules.
-BESIDE: dict[str, subprocess.Popen[str]] = {}
-
-
-def mypy_beside() -> subprocess.Popen[str]:
-    """The mypy run of this session, started now if the collection did not start it."""
-    if "mypy" not in BESIDE:
-        BESIDE["mypy"] = subprocess.Popen(
-            [str(Path(sys.executable).parent / "mypy")],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-    return BESIDE["mypy"]
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    if WORKER:  # each worker collects every test: the one that is given test_mypy starts it
-        return
-    if any(item.nodeid == "tests/test_lint.py::test_mypy" for item in session.items):
-        mypy_beside()
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Every process the suite started is stopped by the time it ends, pass or fail: a manager
     (and what runs in it) or a child of this process still alive fails the run, and is killed."""
     import psutil
-
-    for proc in BESIDE.values():  # a run cut short (-x, Ctrl-C) before test_mypy read it
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
 
     leaked = {n: p for n, p in manager_cgroups().items() if n in STARTED_MANAGERS and p}
     children = []
