@@ -206,8 +206,11 @@ def manager(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Manager]:
 
 def demo_config_text(proxy_port: int, backend_port: int, extra: str = "") -> str:
     """examples/demo.toml on other ports, with the cache paths of this machine; every appliance
-    under test has a monitor of its own."""
-    return demo_text(proxy_port, backend_port, str(CACHE), extra)
+    under test has a monitor of its own. llama-server runs one thread, not the demo's two: the
+    suite runs on two workers, and two spinning threads beside a busy neighbour made three
+    64-token completions 3.4x slower (1.48 s alone, 4.96 s beside `yes`), where one thread took
+    2.4 s either way."""
+    return demo_text(proxy_port, backend_port, str(CACHE), extra, threads=1)
 
 
 @dataclass
@@ -360,7 +363,7 @@ engine = "llamacpp"
 command = ["{LLAMA_SERVER}"]
 model = "{GGUF}"
 start_timeout_s = 120
-args = ["-c", "2048", "--parallel", "2", "--threads", "2"]
+args = ["-c", "2048", "--parallel", "2", "--threads", "1"]
 
 [runtimes.broken]
 engine = "llamacpp"

@@ -57,11 +57,11 @@ def test_render_diff_and_a_second_install(fresh: Appliance) -> None:
     again = fresh.json("install")["result"]
     assert again["written"] == [] and again["started"] == [] and not again["key_created"]
 
-    text = fresh.config.read_text().replace('"--threads", "2"]', '"--threads", "1"]')
+    text = fresh.config.read_text().replace('"--threads", "1"]', '"--threads", "2"]')
     fresh.config.write_text(text)
     diff = fresh.b70ctl("render", "--diff")
     assert diff.returncode == 1
-    assert "-ExecStart=" in diff.stdout and "--threads 1" in diff.stdout
+    assert "-ExecStart=" in diff.stdout and "--threads 2" in diff.stdout
     # A switch refuses a unit that no longer matches the config, and says what to do.
     stale = fresh.b70ctl("switch", "llamacpp", "--restart")
     assert stale.returncode == 1
@@ -77,8 +77,8 @@ def test_render_diff_and_a_second_install(fresh: Appliance) -> None:
     backup = Path(change["backup"])
     assert backup.parent == installed.parent and backup.name.startswith("appliance.toml.")
     assert backup.name.endswith(".bak") and backup.read_text() == previous
-    assert '-args = ["-c", "2048", "--parallel", "2", "--threads", "2"]' in change["diff"]
-    assert '+args = ["-c", "2048", "--parallel", "2", "--threads", "1"]' in change["diff"]
+    assert '-args = ["-c", "2048", "--parallel", "2", "--threads", "1"]' in change["diff"]
+    assert '+args = ["-c", "2048", "--parallel", "2", "--threads", "2"]' in change["diff"]
     assert third["notes"] == [
         "b70-llamacpp.service changed while it runs; `b70ctl switch llamacpp --restart` applies it"
     ]

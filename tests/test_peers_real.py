@@ -50,10 +50,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                 else f'\n[peers]\nurls = ["http://127.0.0.1:{boxes[0].proxy_port}"]\n'
             )
             config = root / name / "appliance.toml"
-            # One llama-server thread a box: two servers of two spinning threads on this
-            # 2-core machine slow each other to a fraction of a token per second.
-            text = demo_config_text(proxy, backend, extra)
-            config.write_text(text.replace('"--threads", "2"', '"--threads", "1"'))
+            # demo_config_text gives llama-server one thread: two servers of two spinning
+            # threads on this 2-core machine slow each other to a fraction of a token per second.
+            config.write_text(demo_config_text(proxy, backend, extra))
             if boxes:  # the fleet shares one key: A takes B's
                 key_dir = Path(manager.env["XDG_CONFIG_HOME"]) / "b70"
                 key_dir.mkdir(parents=True, exist_ok=True)

@@ -75,7 +75,7 @@ volumes = ["{MODELS}:{MODELS}:ro"]
 container_options = ["--runtime", "crun", "--cgroups=disabled"]
 start_timeout_s = 120
 stop_timeout_s = 10
-args = ["-c", "2048", "--parallel", "2", "--threads", "2"]
+args = ["-c", "2048", "--parallel", "2", "--threads", "1"]
 """
     )
 

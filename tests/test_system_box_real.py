@@ -46,7 +46,7 @@ user = "b70"
 command = ["/opt/llama.cpp/bin/llama-server"]
 model = "{BOX_GGUF}"
 start_timeout_s = 120
-args = ["-c", "2048", "--parallel", "{parallel}", "--threads", "2"]
+args = ["-c", "2048", "--parallel", "{parallel}", "--threads", "1"]
 """
 
 
