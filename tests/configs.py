@@ -36,6 +36,21 @@ BAD = [
         "proxy.drain_s: -1.0 must not be negative",
     ),
     ("toml syntax", "default_runtime = ", "not valid TOML"),
+    (
+        "an API the door does not open",
+        GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\napis = ["chat", "embeddings"]'),
+        "runtimes.vllm.apis[0]: 'chat' is not an API the door opens",
+    ),
+    (
+        "no API at all",
+        GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\napis = []'),
+        "runtimes.vllm.apis: must name at least one API",
+    ),
+    (
+        "an API named twice",
+        GOOD.replace('model = "/models/hf"', 'model = "/models/hf"\napis = ["rerank", "rerank"]'),
+        "runtimes.vllm.apis[1]: 'rerank' is named twice",
+    ),
     ("unknown top key", GOOD + "\nmodel_dir = '/x'\n", "model_dir: unknown key"),
     (
         "typo in runtime key",

@@ -363,7 +363,7 @@ engine = "llamacpp"
 command = ["{LLAMA_SERVER}"]
 model = "{GGUF}"
 start_timeout_s = 120
-args = ["-c", "2048", "--parallel", "2", "--threads", "1"]
+args = ["--embeddings", "--pooling", "mean", "-c", "2048", "--parallel", "2", "--threads", "1"]
 
 [runtimes.broken]
 engine = "llamacpp"

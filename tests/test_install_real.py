@@ -77,8 +77,14 @@ def test_render_diff_and_a_second_install(fresh: Appliance) -> None:
     backup = Path(change["backup"])
     assert backup.parent == installed.parent and backup.name.startswith("appliance.toml.")
     assert backup.name.endswith(".bak") and backup.read_text() == previous
-    assert '-args = ["-c", "2048", "--parallel", "2", "--threads", "1"]' in change["diff"]
-    assert '+args = ["-c", "2048", "--parallel", "2", "--threads", "2"]' in change["diff"]
+    assert (
+        '-args = ["--embeddings", "--pooling", "mean", "-c", "2048", "--parallel", "2", '
+        '"--threads", "1"]' in change["diff"]
+    )
+    assert (
+        '+args = ["--embeddings", "--pooling", "mean", "-c", "2048", "--parallel", "2", '
+        '"--threads", "2"]' in change["diff"]
+    )
     assert third["notes"] == [
         "b70-llamacpp.service changed while it runs; `b70ctl switch llamacpp --restart` applies it"
     ]

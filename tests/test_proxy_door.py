@@ -38,7 +38,8 @@ CLOSED = [
     "/health", "/health/readiness/details", "/key/generate", "/key/list", "/model/new",
     "/model/info", "/v1/model/info", "/config/update", "/get/config/callbacks", "/settings",
     "/debug/asyncio-tasks", "/spend/logs", "/global/spend", "/user/new", "/team/new",
-    "/v1/embeddings", "/embeddings", "/v1/responses", "/v1/realtime", "/v1/messages",
+    "/v1/responses/resp_1", "/v1/responses/compact", "/v1/realtime", "/v1/messages/batches",
+    "/v2/rerank", "/v1/tokenize", "/v1/score", "/utils/token_counter", "/vllm/v1/responses",
     "/openai/deployments/smollm2/chat/completions", "/engines/smollm2/completions",
     "/mcp/", "/v1/models/smollm2/extra", "/v1/models/", "/v1/chat/completions/", "//v1/models",
     "/v1/models/gpt-4", "/models/smollm2:generateContent",
@@ -92,6 +93,8 @@ def test_the_route_table_is_the_appliances() -> None:
     assert set(proxy_door.ROUTES) == {
         "/chat/completions", "/v1/chat/completions", "/completions", "/v1/completions",
         "/models", "/v1/models", "/health/liveliness", "/health/liveness", "/health/readiness",
+        "/v1/responses", "/responses", "/v1/messages", "/v1/messages/count_tokens",
+        "/v1/embeddings", "/embeddings", "/v1/rerank", "/rerank", "/tokenize", "/detokenize",
     }  # fmt: skip
 
 

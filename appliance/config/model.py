@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
+from appliance.apis import GENERATIVE
 from appliance.errors import ConfigError
 from appliance.layout import Scope, runtime_unit
 
@@ -141,6 +142,8 @@ class RuntimeConfig:
     mmproj: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     args: tuple[str, ...] = ()
+    # The APIs it serves, by appliance.apis' words (runtimes.NAME.apis, or read from its flags)
+    apis: tuple[str, ...] = GENERATIVE
     devices: tuple[str, ...] = ()
     volumes: tuple[str, ...] = ()
     shm_size: str | None = None

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from appliance import apis
 from appliance.config.cards import CardKeys
 from appliance.config.model import (
     DEFAULT_COMMAND,
@@ -117,7 +118,7 @@ RUNTIME_KEYS = {
     *("engine", "launcher", "model", "command", "image", "mmproj", "env", "args"),
     *("devices", "volumes", "shm_size", "container_options", "user"),
     *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib", "cards"),
-    *("port", "served_model_name", "per_card"),
+    *("port", "served_model_name", "per_card", "apis"),
 }
 
 
@@ -322,6 +323,7 @@ class _Reader(CardKeys, ServingKeys):
         engine = self.choice(t, "engine", p, Engine, None)
         launcher = self.choice(t, "launcher", p, Launcher, Launcher.NATIVE)
         args = self.runtime_args(t, p, engine)
+        served_apis = self.runtime_apis(t, p, engine, args)
         env_table = self.runtime_env(t, p)
         command, image = self.command_or_image(t, p, engine, launcher)
         mmproj = self.get(t, "mmproj", p, str, "", check_word) or None
@@ -345,6 +347,7 @@ class _Reader(CardKeys, ServingKeys):
             mmproj=os.path.expanduser(mmproj) if mmproj else None,
             env=dict(env_table),
             args=args,
+            apis=served_apis,
             devices=devices,
             cards=self.runtime_cards(t, p, gpu, engine, launcher, args, devices, env_table),
             volumes=self.paths(t, "volumes", p, "/srv/models:/models:ro"),
@@ -375,6 +378,24 @@ class _Reader(CardKeys, ServingKeys):
                     "from runtimes.NAME.model",
                 )
         return args
+
+    def runtime_apis(
+        self, t: Mapping[str, Any], p: str, engine: Engine, args: tuple[str, ...]
+    ) -> tuple[str, ...]:
+        """The APIs the runtime serves: as given, else what its engine and flags say."""
+        if "apis" not in t:
+            return apis.served(engine.value, args)
+        given = self.strings(t, "apis", p)
+        words = ", ".join(apis.ALL)
+        if not given:
+            raise self.fail(p + "apis", "must name at least one API", f"the APIs: {words}")
+        for i, api in enumerate(given):
+            if api not in apis.ALL:
+                raise self.fail(f"{p}apis[{i}]", f"{api!r} is not an API the door opens",
+                                f"the APIs: {words}")  # fmt: skip
+            if api in given[:i]:
+                raise self.fail(f"{p}apis[{i}]", f"{api!r} is named twice")
+        return tuple(a for a in apis.ALL if a in given)
 
     def container_options(
         self, t: Mapping[str, Any], p: str, launcher: Launcher

@@ -37,7 +37,8 @@ Imported by the proxy: nothing from the rest of the controller but appliance.pro
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from appliance.proxy.asgi import Send
@@ -54,6 +55,18 @@ from appliance.proxy.backend import (
 # No token is longer than this: the longest of GPT-2's, cl100k's and o200k's vocabularies is 128
 # bytes, of SmolLM2's 81. A text of N bytes is at least N / MAX_TOKEN_BYTES tokens.
 MAX_TOKEN_BYTES = 256
+
+
+# The error shape of the request the door is answering: OpenAI's, or Anthropic's on the
+# Messages routes (appliance.proxy.apis), set by the door for each request (each its own task).
+SHAPE: ContextVar[str] = ContextVar("b70_error_shape", default="openai")
+# Anthropic's error types by status (its API's errors page): the SDK raises by status, and
+# shows the type and message.
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+    503: "overloaded_error", 529: "overloaded_error",
+}  # fmt: skip
 
 
 class Refusal(Exception):
@@ -74,6 +87,12 @@ class Refusal(Exception):
         self.headers = dict(headers or {})
 
     def body(self) -> bytes:
+        if SHAPE.get() == "anthropic":
+            kind = ANTHROPIC_TYPES.get(self.status)
+            kind = kind or ("invalid_request_error" if self.status < 500 else "api_error")
+            return json.dumps(
+                {"type": "error", "error": {"type": kind, "message": self.message}}
+            ).encode()
         error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return json.dumps({"error": error}).encode()
 
@@ -99,12 +118,12 @@ def parse_body(body: bytes) -> dict[str, Any] | Refusal:
     except (ValueError, RecursionError) as e:
         return Refusal(400, f"the request body is not valid JSON: {e}", "invalid_json")
     if not isinstance(data, dict):
-        given = "null" if data is None else _json_type(data)
+        given = "null" if data is None else json_type(data)
         return Refusal(400, f"the request body must be a JSON object, not {given}", "invalid_type")
     return data
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
     if value == []:
@@ -113,13 +132,13 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), "a number")
 
 
-def _wrong(name: str, must: str, value: Any, given: str | None = None) -> Refusal:
+def wrong(name: str, must: str, value: Any, given: str | None = None) -> Refusal:
     """`name` is missing or not what it must be."""
     if value is None:
         return Refusal(
             400, f"{name} is missing: it must be {must}", "missing_required_parameter", name
         )
-    given = given or _json_type(value)
+    given = given or json_type(value)
     return Refusal(400, f"{name} must be {must}, not {given}", "invalid_type", name)
 
 
@@ -127,35 +146,47 @@ def check_shape(
     kind: str, data: Mapping[str, Any], models: Collection[str] | None
 ) -> Refusal | None:
     """Checks that need nothing but the request: model, messages or prompt, max_tokens."""
+    refusal = check_model(data, models)
+    if refusal is not None:
+        return refusal
+    if kind == CHAT:
+        messages = data.get("messages")
+        if not (isinstance(messages, list) and messages and _all(messages, dict)):
+            some = isinstance(messages, list) and messages
+            given = "an array with items that are not objects" if some else None
+            return wrong("messages", "a non-empty array of message objects", messages, given)
+    else:
+        prompt = data.get("prompt")
+        if not (isinstance(prompt, str) or _prompt_list(prompt)):
+            return wrong("prompt", "a string, or an array of strings or of token ids", prompt)
+    return check_count(data, "max_tokens") or check_count(data, "max_completion_tokens")
+
+
+def check_count(data: Mapping[str, Any], name: str, required: bool = False) -> Refusal | None:
+    """`name`, when given (or `required`): an integer of at least 1."""
+    value = data.get(name)
+    if value is None and not required:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return wrong(name, "an integer", value)
+    if value < 1:
+        return Refusal(
+            400, f"{name} must be at least 1, not {value}", "integer_below_min_value", name
+        )
+    return None
+
+
+def check_model(data: Mapping[str, Any], models: Collection[str] | None) -> Refusal | None:
+    """The request's `model`: a name this appliance serves (`models`; None: not known yet)."""
     model = data.get("model")
     if not isinstance(model, str):
-        return _wrong("model", "the name of a model this appliance serves", model)
+        return wrong("model", "the name of a model this appliance serves", model)
     if models is not None and model not in models:
         served = ", ".join(sorted(models))
         return Refusal(
             404, f"The model `{model}` does not exist. This appliance serves: {served}.",
             "model_not_found", "model",
         )  # fmt: skip
-    if kind == CHAT:
-        messages = data.get("messages")
-        if not (isinstance(messages, list) and messages and _all(messages, dict)):
-            some = isinstance(messages, list) and messages
-            given = "an array with items that are not objects" if some else None
-            return _wrong("messages", "a non-empty array of message objects", messages, given)
-    else:
-        prompt = data.get("prompt")
-        if not (isinstance(prompt, str) or _prompt_list(prompt)):
-            return _wrong("prompt", "a string, or an array of strings or of token ids", prompt)
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = data.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool):
-            return _wrong(name, "an integer", value)
-        if value < 1:
-            return Refusal(
-                400, f"{name} must be at least 1, not {value}", "integer_below_min_value", name
-            )
     return None
 
 
@@ -180,8 +211,13 @@ def _token_prompts(prompt: Any) -> list[list[int]] | None:
     return None
 
 
-def max_tokens_refusal(data: Mapping[str, Any], facts: Facts) -> Refusal | None:
-    for name in ("max_tokens", "max_completion_tokens"):
+def max_tokens_refusal(
+    data: Mapping[str, Any],
+    facts: Facts,
+    names: tuple[str, ...] = ("max_tokens", "max_completion_tokens"),
+) -> Refusal | None:
+    """An answer's most tokens (`names`) over the runtime's context."""
+    for name in names:
         value = data.get(name)
         if isinstance(value, int) and value > facts.context:
             return Refusal(
@@ -242,14 +278,27 @@ async def check_request(
     refusal = check_shape(kind, data, models)
     if refusal is not None or backend is None:
         return refusal
+
+    async def judged(facts: Facts) -> Refusal | None:
+        return await judge(kind, data, body_bytes, facts, backend)
+
+    return await against_facts(backend, judged)
+
+
+async def against_facts(
+    backend: Backend, judged: Callable[[Facts], Awaitable[Refusal | None]]
+) -> Refusal | None:
+    """A request judged against what the serving runtime says, asked again before a refusal:
+    never refused on an old answer. None when the runtime cannot say now (the hold and the
+    runtime itself take over)."""
     facts = await backend.facts()
     if facts is None:
-        return None  # the runtime cannot say now; the hold and the runtime itself take over
-    refusal = await judge(kind, data, body_bytes, facts, backend)
+        return None
+    refusal = await judged(facts)
     if refusal is not None:
-        fresh = await backend.facts(fresh=True)  # never refuse on an old answer
+        fresh = await backend.facts(fresh=True)
         if fresh != facts:
-            refusal = await judge(kind, data, body_bytes, fresh, backend) if fresh else None
+            refusal = await judged(fresh) if fresh else None
     return refusal
 
 

@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Protocol
 
 import h11
 
+from appliance.proxy import apis
 from appliance.proxy.asgi import Message, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION
 from appliance.proxy.checks import Refusal
@@ -48,8 +49,10 @@ from appliance.proxy.checks import Refusal
 ANSWERED = "answered"  # its answer went to the client, whole or begun, or the client left
 FULL_WAY = "full way"  # it failed before its first bytes: send it the full way
 NOT_READY = "not ready"  # ... and the runtime is not serving (refused, closed, 503): wait first
+REFUSED = "refused"  # the runtime answered an error status to one of appliance.proxy.apis' routes
 
 ENDPOINTS = {CHAT: "/chat/completions", COMPLETION: "/completions"}
+MAX_ERROR_BYTES = 65536  # of a runtime's error answer, kept to answer it in the API's shape
 PROVIDER = "hosted_vllm/"  # the provider of the rendered deployment (templates/litellm.yaml.j2)
 DEFAULT_TIMEOUT_S = 600.0  # LiteLLM's request_timeout, when the proxy does not say
 READ_BYTES = 65536
@@ -69,6 +72,8 @@ class Call:
     kind: str
     body: bytes
     way: str = FULL_WAY
+    error: tuple[int, bytes] | None = None  # REFUSED: the runtime's status and answer
+    mend: Mend | None = None  # what the relayed answer passes through (appliance.proxy.apis)
 
     SCOPE_KEY: ClassVar[str] = "b70.direct"  # where the call rides in the request's ASGI scope
 
@@ -76,7 +81,10 @@ class Call:
     async def endpoint(scope: Any, receive: Receive, send: Send) -> None:
         """The ASGI app inside the layers: it makes the call the scope carries."""
         call: Call = scope[Call.SCOPE_KEY]
-        call.way = await relay(call.target, call.kind, call.body, receive, send, timeout_s())
+        done = await exchange(
+            call.target, call.kind, call.body, receive, send, timeout_s(), call.mend
+        )
+        call.way, call.error = done.way, done.error
 
 
 @dataclass(frozen=True)
@@ -172,39 +180,56 @@ async def relay(
 ) -> str:
     """Send the request to the runtime and relay its answer: ANSWERED, FULL_WAY or NOT_READY.
     `receive` gives the client's messages after its body: a disconnect."""
+    return (await exchange(target, kind, body, receive, send, limit_s)).way
+
+
+async def exchange(
+    target: Target, kind: str, body: bytes, receive: Receive, send: Send, limit_s: float,
+    mend: Mend | None = None,
+) -> Done:  # fmt: skip
+    """`relay`, with what became of the request: its way, and the runtime's error (REFUSED)."""
     connection = h11.Connection(h11.CLIENT)
     request = b"".join(connection.send(event) or b"" for event in _request(target, kind, body))
     try:
         reader, writer = await open_with(target.host, target.port, request)
     except OSError:
-        return NOT_READY
-    exchange = _Exchange(target, reader, writer, send)
+        return Done(NOT_READY)
+    ongoing = _Exchange(target, kind, reader, writer, send, mend)
+    done = ongoing.done
     # The body was read by the door: the client's next message says it left.
     watch = asyncio.ensure_future(receive())
-    watch.add_done_callback(exchange.client_left)
+    watch.add_done_callback(ongoing.client_left)
     try:
-        async with asyncio.timeout(limit_s) as exchange.deadline:
-            return await exchange.run(connection, limit_s)
+        async with asyncio.timeout(limit_s) as ongoing.deadline:
+            done.way = await ongoing.run(connection, limit_s)
     except TimeoutError:
-        if exchange.begun:
+        done.way = ANSWERED
+        if ongoing.begun:
             log(f"b70: the runtime sent nothing for {limit_s:g} s; its answer was cut there")
-            return ANSWERED
-        await Refusal(
-            504, f"the runtime did not answer within {limit_s:g} s (request_timeout)",
-            "b70_runtime_timeout", kind="timeout",
-        ).send(send)  # fmt: skip
-        return ANSWERED
+        else:
+            await Refusal(
+                504, f"the runtime did not answer within {limit_s:g} s (request_timeout)",
+                "b70_runtime_timeout", kind="timeout",
+            ).send(send)  # fmt: skip
     finally:
-        watch.remove_done_callback(exchange.client_left)
+        watch.remove_done_callback(ongoing.client_left)
         watch.cancel()
         writer.transport.abort()
+    return done
+
+
+def endpoint_of(kind: str, base_path: str) -> str:
+    """The runtime's path for a kind of request, its api_base's path being `base_path`."""
+    if kind in ENDPOINTS:
+        return base_path + ENDPOINTS[kind]
+    return apis.endpoint_of(kind, base_path)
 
 
 def _request(target: Target, kind: str, body: bytes) -> tuple[h11.Event, ...]:
     host = f"[{target.host}]" if ":" in target.host else target.host
     head = h11.Request(
         method="POST",
-        target=target.base_path + ENDPOINTS[kind],
+        target=endpoint_of(kind, target.base_path),
         headers=[
             ("Host", f"{host}:{target.port}"),
             ("Content-Type", "application/json"),
@@ -278,17 +303,28 @@ def _connected(sock: socket.socket) -> bool:
     return True
 
 
+@dataclass
+class Done:
+    """What became of a request sent to the runtime."""
+
+    way: str
+    error: tuple[int, bytes] | None = None  # REFUSED: the runtime's status and answer
+
+
 class _Exchange:
     """One request to the runtime and its answer, relayed as it comes."""
 
     def __init__(
-        self, target: Target, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-        send: Send,
+        self, target: Target, kind: str, reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter, send: Send, mend: Mend | None = None,
     ) -> None:  # fmt: skip
         self.target = target
+        self.kind = kind
         self.reader = reader
         self.writer = writer
         self.send = send
+        self.mend = mend
+        self.done = Done(FULL_WAY)
         self.begun = False  # a byte of the answer's body went to the client
         self.left = False  # the client left
         # Moved on with every read: like LiteLLM's own HTTP client, request_timeout bounds each
@@ -326,28 +362,64 @@ class _Exchange:
             elif isinstance(event, h11.Response):
                 if event.status_code == 503:  # loading, or not serving
                     return NOT_READY
-                if event.status_code >= 400:
+                if event.status_code >= 400 and self.kind in ENDPOINTS:
                     return FULL_WAY  # which names the error as LiteLLM does
-                start = {
-                    "type": "http.response.start",
-                    "status": event.status_code,
-                    "headers": [(k, v) for k, v in event.headers if k not in NOT_RELAYED],
-                }
+                if event.status_code >= 400:  # the door answers it in the API's shape
+                    self.done.error = (event.status_code, await self._whole(connection))
+                    return REFUSED
+                headers = [(k, v) for k, v in event.headers if k not in NOT_RELAYED]
+                if self.mend is not None and _is_stream(headers):
+                    headers = [(k, v) for k, v in headers if k != b"content-length"]
+                else:
+                    self.mend = None
+                start = {"type": "http.response.start", "status": event.status_code,
+                         "headers": headers}  # fmt: skip
             elif isinstance(event, h11.Data) and start is not None:
-                if not event.data:
+                data = self.mend.feed(bytes(event.data)) if self.mend else bytes(event.data)
+                if not data:
                     continue
                 if not self.begun:
                     self.begun = True
                     await self.send(start)
-                await self.send(
-                    {"type": "http.response.body", "body": bytes(event.data), "more_body": True}
-                )
+                await self.send({"type": "http.response.body", "body": data, "more_body": True})
             elif isinstance(event, h11.EndOfMessage) and start is not None:
                 if not self.begun:
                     self.begun = True
                     await self.send(start)
-                await self.send({"type": "http.response.body", "body": b"", "more_body": False})
+                last = self.mend.end() if self.mend else b""
+                await self.send({"type": "http.response.body", "body": last, "more_body": False})
                 return ANSWERED
             elif isinstance(event, h11.ConnectionClosed):  # before the answer's end
                 raise h11.RemoteProtocolError("the runtime closed the connection", 502)
             # else an informational answer (1xx): the answer follows
+
+    async def _whole(self, connection: h11.Connection) -> bytes:
+        """The rest of an answer's body, up to MAX_ERROR_BYTES of it."""
+        chunks: list[bytes] = []
+        size = 0
+        while size < MAX_ERROR_BYTES:
+            event = connection.next_event()
+            if event is h11.NEED_DATA:
+                connection.receive_data(await self.reader.read(READ_BYTES))
+            elif isinstance(event, h11.Data):
+                chunks.append(bytes(event.data))
+                size += len(event.data)
+            elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                break
+        return b"".join(chunks)[:MAX_ERROR_BYTES]
+
+
+def _is_stream(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+
+
+class Mend(Protocol):
+    """What a streamed answer passes through on its way to the client (appliance.proxy.apis)."""
+
+    def feed(self, data: bytes) -> bytes:
+        """The bytes to send for these bytes of the runtime's (maybe none yet)."""
+        ...
+
+    def end(self) -> bytes:
+        """The bytes to send when the runtime's answer ended."""
+        ...

@@ -54,16 +54,21 @@ from typing import Any, NamedTuple
 
 from appliance import hold
 from appliance.keys import same_secret
-from appliance.proxy import direct
+from appliance.proxy import apis, direct
+from appliance.proxy.apis import models, streams
+from appliance.proxy.apis.answers import not_served, runtime_error
+from appliance.proxy.apis.checks import check_api_request, with_both_words
 from appliance.proxy.asgi import ASGIApp, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION, Backend
-from appliance.proxy.checks import Refusal, check_request, parse_body
+from appliance.proxy.checks import SHAPE, Refusal, check_request, parse_body
 from appliance.proxy.relay import (
     PASS_THROUGH,
+    REPLAYS,
     WaitReady,
     relay,
     replay,
     resend,
+    runtime_gone,
 )
 from appliance.proxy.waiting import HoldTimeout
 
@@ -94,6 +99,9 @@ ROUTES |= {
     path: (PROBE, frozenset(("GET", "OPTIONS")))
     for path in ("/health/liveliness", "/health/liveness", "/health/readiness")
 }
+ROUTES |= {
+    path: (route.kind, frozenset(("POST", "OPTIONS"))) for path, route in apis.BY_PATH.items()
+}
 MODEL_PREFIXES = ("/models/", "/v1/models/")  # GET /v1/models/{model}, a model served here
 # Answered by the door itself: whether this box's own runtimes serve (peers' front doors ask it)
 READINESS_PATH = "/health/readiness"
@@ -117,13 +125,14 @@ def route_of(path: str, models: Collection[str] | None) -> tuple[str, frozenset[
 # --- the key --------------------------------------------------------------------------------------
 
 
-def key_problem(authorization: str | None, expected: str) -> str | None:
-    """What is wrong with the key an `Authorization` header carries, or None when it is right."""
-    given = (authorization or "").removeprefix("Bearer ").strip()
+def key_problem(authorization: str | None, expected: str, api_key: str | None = None) -> str | None:
+    """What is wrong with the key an `Authorization` header carries (or an `x-api-key` header,
+    as Anthropic's clients send it), or None when it is right."""
+    given = (authorization or "").removeprefix("Bearer ").strip() or (api_key or "").strip()
     if not given:
         return (
-            "no API key: send the appliance's key as 'Authorization: Bearer KEY' "
-            "(it is LITELLM_MASTER_KEY in the appliance's proxy.env)"
+            "no API key: send the appliance's key as 'Authorization: Bearer KEY' or "
+            "'x-api-key: KEY' (it is LITELLM_MASTER_KEY in the appliance's proxy.env)"
         )
     if not expected or not same_secret(given, expected):
         return "the API key is not the appliance's key"
@@ -183,6 +192,8 @@ class Door:
         backend_of: Callable[[str], Backend | None] | None = None,
         replicas: direct.Replicas | None = None,
         readiness: Readiness | None = None,
+        pass_through: bool = True,
+        runtimes_of: models.RuntimesOf | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
@@ -198,6 +209,9 @@ class Door:
         self.clock = clock
         self.hold = hold  # the request hold of the fast way; None: every request the full way
         self.direct_to = direct_to  # None: the fast way is LiteLLM's pass-through route
+        # False: chat and completions go the full way ([proxy] pass_through = false)
+        self.pass_through = pass_through
+        self.runtimes_of = runtimes_of  # the runtimes of a name and their APIs, for /v1/models
         # LiteLLM's layers that shape an answer's headers (CORS, security), around the direct way
         self.direct_app = answer_layers(direct.Call.endpoint)
 
@@ -213,6 +227,7 @@ class Door:
             await self.ready(send)
             return
         arrived = self.clock()
+        SHAPE.set(apis.shape_of(route_path(scope)))  # this request's task alone
         try:
             checked = await self.check(scope, receive)
         except Refusal as refusal:
@@ -224,7 +239,7 @@ class Door:
         except _Disconnected:
             return
         if checked is None:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, self.models_answer(scope, send))
         else:
             await self.forward(scope, checked, receive, send, arrived)
 
@@ -257,13 +272,15 @@ class Door:
         (appliance.proxy.relay). None when it was answered; else it must go the full way, and
         the number of times it was sent to this runtime already (each counts toward
         relay.REPLAYS: a request that kills its runtime is not sent again and again)."""
-        route = route_of(route_path(scope), None)
-        if self.hold is None or route is None or route[0] not in PASS_THROUGH:
+        if checked.kind in apis.BY_KIND:
+            await self.to_runtime(scope, checked, receive, send, token, arrived)
+            return None
+        if not self.pass_through or self.hold is None or checked.kind not in PASS_THROUGH:
             return 0
         target = self.direct_to(checked.model) if self.direct_to is not None else None
         if target is None and self.replicas is not None:
             try:
-                answered = await self.to_replica(scope, checked, route[0], receive, send, token)
+                answered = await self.to_replica(scope, checked, checked.kind, receive, send, token)
             except HoldTimeout as e:
                 await hold_timeout(e).send(send)
                 return None
@@ -276,7 +293,7 @@ class Door:
             return None
         if target is not None:
             call = direct.Call(
-                target, route[0], direct.as_served(checked.body, checked.model, target)
+                target, checked.kind, direct.as_served(checked.body, checked.model, target)
             )
             await self.direct_app({**scope, call.SCOPE_KEY: call}, receive, send)
             if call.way == direct.ANSWERED:
@@ -290,10 +307,76 @@ class Door:
                 except HoldTimeout as e:
                     await hold_timeout(e).send(send)
                     return None
-        elif await relay(self.app, scope, route[0], replay(checked.body, receive), send):
+        elif await relay(self.app, scope, checked.kind, replay(checked.body, receive), send):
             return None
         log(f"b70: {route_path(scope)}: no answer the fast way; sent again the full way")
         return 1
+
+    async def to_runtime(
+        self, scope: Scope, checked: Checked, receive: Receive, send: Send, token: str | None,
+        arrived: float,
+    ) -> None:  # fmt: skip
+        """A request to one of appliance.proxy.apis' routes: held, then straight to the runtime
+        that serves its model (or the replica the router picks), sent again when the runtime
+        went away before its first byte (at most relay.REPLAYS times more, within the hold
+        time), and the runtime's error answered in the API's shape. These routes have no full
+        way through LiteLLM: both engines serve each of these APIs themselves."""
+        for attempt in range(REPLAYS + 1):
+            try:
+                target, replica = await self.api_target(checked.model, token)
+            except HoldTimeout as e:
+                await hold_timeout(e).send(send)
+                return
+            if target is None:
+                await not_served(checked.kind, None, "no runtime of this appliance serves the "
+                                 "model on this route").send(send)  # fmt: skip
+                return
+            body = direct.as_served(checked.body, checked.model, target)
+            mend = streams.mend_for(checked.kind, checked.streams, _engine(checked))
+            call = direct.Call(target, checked.kind, body, mend=mend)
+            await self.direct_app({**scope, call.SCOPE_KEY: call}, receive, send)
+            if call.way == direct.ANSWERED:
+                return
+            if call.way == direct.REFUSED and call.error is not None:
+                await runtime_error(checked.kind, *call.error, _engine(checked)).send(send)
+                return
+            if replica and self.replicas is not None:
+                self.replicas.refused(target)
+            left = self.hold_s - (self.clock() - arrived)
+            if self.wait_ready is None or left <= 0 or attempt == REPLAYS:
+                break
+            try:
+                waited = await self.wait_ready(left, token)
+            except HoldTimeout:
+                break
+            log(f"b70: {route_path(scope)}: the runtime went away before answering; sent "
+                f"again after {waited:.1f} s (attempt {attempt + 2} of {REPLAYS + 1})")  # fmt: skip
+        await runtime_gone(self.clock() - arrived, self.hold_s).send(send)
+
+    async def api_target(self, model: str, token: str | None) -> tuple[direct.Target | None, bool]:
+        """Where a request for `model` goes, once the hold lets it through, and whether it is
+        one of several replicas (the router's pick)."""
+        target = self.direct_to(model) if self.direct_to is not None else None
+        if target is None and self.replicas is not None:
+            return await self.replicas.choose(model, token), True
+        if self.hold is not None:
+            await self.hold(token)
+        return target, False
+
+    def models_answer(self, scope: Scope, send: Send) -> Send:
+        """LiteLLM's answer to the model list (or one model), with the APIs each name speaks
+        (appliance.proxy.apis.models); any other answer as it is."""
+        path = route_path(scope)
+        listing = path in ("/models", "/v1/models") or path.startswith(MODEL_PREFIXES)
+        if self.runtimes_of is None or scope["method"] != "GET" or not listing:
+            return send
+        return models.ModelsAnswer(send, self.runtimes_of, self.engine_of)
+
+    def engine_of(self, model: str) -> str | None:
+        """The engine of the runtime that serves `model` now, when the door knows it."""
+        backend = self.backend_of(model) if self.backend_of is not None else self.backend
+        facts = backend.known if backend is not None else None
+        return facts.engine if facts is not None else None
 
     async def ready(self, send: Send) -> None:
         """200 when this box's own runtimes serve a name, 503 while none does (switching, or
@@ -342,7 +425,9 @@ class Door:
             )  # fmt: skip
         if kind == PROBE or method == "OPTIONS":
             return None
-        problem = key_problem(_header(scope, b"authorization"), self.key())
+        problem = key_problem(
+            _header(scope, b"authorization"), self.key(), _header(scope, b"x-api-key")
+        )
         if problem is not None:
             raise unauthorized(problem)
         if kind == MODELS:
@@ -360,10 +445,14 @@ class Door:
         backend = self.backend
         if self.backend_of is not None and isinstance(data.get("model"), str):
             backend = self.backend_of(data["model"])
-        refusal = await check_request(kind, data, len(body), models, backend)
+        if kind in apis.BY_KIND:
+            refusal = await check_api_request(kind, data, models, backend)
+            body = with_both_words(body, data) if kind == apis.TOKENIZE else body
+        else:
+            refusal = await check_request(kind, data, len(body), models, backend)
         if refusal is not None:
             raise refusal
-        return Checked(body, data["model"])
+        return Checked(body, data["model"], kind, backend, data.get("stream") is True)
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
@@ -390,6 +479,15 @@ class Checked(NamedTuple):
 
     body: bytes
     model: str  # the name it asked for, one the router serves
+    kind: str = CHAT
+    backend: Backend | None = None  # the runtime that serves the name, as the door sees it
+    streams: bool = False
+
+
+def _engine(checked: Checked) -> str | None:
+    """The engine of the runtime that serves the request's model, when the door knows it."""
+    facts = checked.backend.known if checked.backend is not None else None
+    return facts.engine if facts is not None else None
 
 
 class _Disconnected(Exception):

@@ -70,6 +70,21 @@ def direct_to(backend_urls: Collection[str]) -> Direct:
     return target
 
 
+def runtimes_of(name: str) -> Mapping[str, Mapping[str, Any]] | None:
+    """The appliance's runtimes that may serve a name, each with its engine and APIs, as the
+    rendered litellm.yaml gives them (model_info.b70_runtimes); None for a name they do not."""
+    found = _deployments_of(name)
+    if found is None:
+        return None
+    out: dict[str, Mapping[str, Any]] = {}
+    for deployment in found[0]:
+        if deployment.get("model_name") == found[1]:
+            given = (deployment.get("model_info") or {}).get("b70_runtimes")
+            if isinstance(given, dict):
+                out.update({k: v for k, v in given.items() if isinstance(v, dict)})
+    return out or None
+
+
 PEER_PROVIDER = "openai/"  # a peer's proxy, as rendered (templates/litellm.yaml.j2)
 
 
@@ -215,11 +230,12 @@ def install_in_proxy(
         app,
         lambda inner: Door(
             inner, runtimes.first if runtimes else None, router_models, max_body_bytes=limit,
-            wait_ready=wait_ready, hold_s=hold_s, hold=hold if pass_through else None,
+            wait_ready=wait_ready, hold_s=hold_s, hold=hold,
             direct_to=direct_to(urls) if urls else None, answer_layers=answer_layers(app),
             backend_of=runtimes.backend_of if runtimes else None,
-            replicas=replicas if runtimes and pass_through else None,
-            readiness=readiness if runtimes else None,
+            replicas=replicas if runtimes else None,
+            readiness=readiness if runtimes else None, pass_through=pass_through,
+            runtimes_of=runtimes_of,
         ),
     )  # fmt: skip
     give_large_blocks_back()

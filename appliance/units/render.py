@@ -269,7 +269,10 @@ def render_proxy_config(config: Config, lay: Layout) -> str:
         "litellm.yaml.j2",
         lay,
         proxy=config.proxy,
-        deployments=list(runtimes.deployments(config).values()),
+        deployments=[
+            (name, url, runtimes.runtimes_by_port(config)[port])
+            for port, (name, url) in runtimes.deployments(config).items()
+        ],
         peers=runtimes.peer_deployments(config),
         peer_header=PEER_HEADER,
         cooldown_s=f"{config.peers.cooldown_s:g}",

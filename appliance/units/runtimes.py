@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from appliance import layout
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
@@ -111,6 +111,15 @@ def deployments(config: Config) -> dict[int, tuple[str, str]]:
     for _, rt in sorted(config.runtimes.items()):
         out.setdefault(rt.port, (rt.served_model_name, backend_url(config, rt)))
     return dict(sorted(out.items()))
+
+
+def runtimes_by_port(config: Config) -> dict[int, dict[str, dict[str, Any]]]:
+    """The runtimes of each deployment, by its port, with the engine and the APIs of each
+    (appliance.apis): rendered into the deployment's model_info, for the door's /v1/models."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    for name, rt in sorted(config.runtimes.items()):
+        out.setdefault(rt.port, {})[name] = {"engine": rt.engine.value, "apis": list(rt.apis)}
+    return out
 
 
 def peer_deployments(config: Config) -> list[tuple[str, str]]:

@@ -1,0 +1,132 @@
+"""Streams of the APIs of appliance.proxy.apis that the official SDKs' helpers cannot read as a
+runtime sends them, mended on their way to the client.
+
+llama-server's Responses stream (build 11434) gives each event its `type` and `item_id` but
+leaves out what OpenAI's Responses streaming events carry besides, and what the OpenAI SDK's
+`responses.stream()` reads to put the answer together:
+
+- `sequence_number` on every event;
+- `output_index` on the output item and content part events and the text events, and
+  `content_index` on the content part and text events;
+- the `response` of `response.created` and `response.in_progress` has no `output` (nor
+  `created_at` or `model`), which the SDK's snapshot appends each output item to;
+- `logprobs` on the text events.
+
+The SDK raised `TypeError: list indices must be integers or slices, not NoneType` there. The mend
+adds each missing field, counting the items and parts as they come; a field the runtime gives is
+never changed, and the events keep their order, their text and their timing (each is passed on
+as soon as it is whole). vLLM's streams, and llama-server's Anthropic Messages stream, go as the
+runtime sends them.
+
+Imported by the proxy: nothing from the rest of the controller but appliance.proxy's own.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from appliance.proxy.apis import RESPONSES
+from appliance.proxy.direct import Mend
+
+LLAMACPP = "llama.cpp"  # as appliance.proxy.backend.Facts names the engine
+MAX_EVENT_BYTES = 8 << 20  # one event held whole before it is passed on unmended
+
+
+def mend_for(kind: str, streams: bool, engine: str | None) -> Mend | None:
+    """What a streamed answer of `kind` from a runtime of `engine` passes through; None: it goes
+    as the runtime sends it. A runtime whose engine the door does not know yet gets the mend
+    too: it leaves a faithful stream as it is."""
+    if kind == RESPONSES and streams and engine in (LLAMACPP, None):
+        return ResponsesMend()
+    return None
+
+
+class Events:
+    """Server-sent events cut from a byte stream: each whole event, as its bytes."""
+
+    def __init__(self) -> None:
+        self.pending = b""
+
+    def feed(self, data: bytes) -> list[bytes]:
+        self.pending += data
+        events = []
+        while True:
+            end, size = _event_end(self.pending)
+            if end < 0:
+                break
+            events.append(self.pending[: end + size])
+            self.pending = self.pending[end + size :]
+        return events
+
+    def rest(self) -> bytes:
+        rest, self.pending = self.pending, b""
+        return rest
+
+
+def _event_end(data: bytes) -> tuple[int, int]:
+    """Where the first event of `data` ends (its blank line), and the blank line's size."""
+    ends = [(i, len(sep)) for sep in (b"\n\n", b"\r\n\r\n") if (i := data.find(sep)) >= 0]
+    return min(ends) if ends else (-1, 0)
+
+
+class ResponsesMend:
+    """llama-server's Responses stream, with the fields OpenAI's events carry (see the module)."""
+
+    def __init__(self) -> None:
+        self.events = Events()
+        self.sequence = 0
+        self.items: dict[str, int] = {}  # item id -> its output_index
+        self.parts: dict[str, int] = {}  # item id -> its content parts so far
+
+    def feed(self, data: bytes) -> bytes:
+        out = b"".join(self.mend(event) for event in self.events.feed(data))
+        if len(self.events.pending) > MAX_EVENT_BYTES:
+            out += self.events.rest()  # not an event stream this mend knows: as it is
+        return out
+
+    def end(self) -> bytes:
+        return self.events.rest()
+
+    def mend(self, event: bytes) -> bytes:
+        lines = event.rstrip(b"\r\n").splitlines()
+        for i, line in enumerate(lines):
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                data = json.loads(line[5:])
+            except ValueError:
+                return event  # [DONE], or not JSON: as it is
+            if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+                return event
+            self.add_fields(data)
+            lines[i] = b"data: " + json.dumps(data, ensure_ascii=False).encode()
+            return b"\n".join(lines) + b"\n\n"
+        return event
+
+    def add_fields(self, data: dict[str, Any]) -> None:
+        kind: str = data["type"]
+        data.setdefault("sequence_number", self.sequence)
+        self.sequence += 1
+        if kind in ("response.created", "response.in_progress"):
+            response = data.get("response")
+            if isinstance(response, dict):
+                response.setdefault("output", [])
+                response.setdefault("created_at", int(time.time()))
+                response.setdefault("object", "response")
+        elif kind in ("response.output_item.added", "response.output_item.done"):
+            item = data.get("item")
+            item_id = item.get("id") if isinstance(item, dict) else None
+            if isinstance(item_id, str):
+                index = self.items.setdefault(item_id, len(self.items))
+                data.setdefault("output_index", index)
+        elif "item_id" in data and isinstance(data["item_id"], str):
+            item_id = data["item_id"]
+            data.setdefault("output_index", self.items.get(item_id, 0))
+            if kind == "response.content_part.added":
+                self.parts[item_id] = self.parts.get(item_id, 0) + 1
+            if kind.startswith(("response.content_part.", "response.output_text.")):
+                data.setdefault("content_index", max(self.parts.get(item_id, 1) - 1, 0))
+            if kind in ("response.output_text.delta", "response.output_text.done"):
+                data.setdefault("logprobs", [])
