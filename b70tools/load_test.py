@@ -42,7 +42,7 @@ class Target:
 
 @dataclass
 class Outcome:
-    kind: str  # chat, chat-stream, completion, completion-stream
+    kind: str  # one of KINDS
     start: float
     end: float
     result: str  # succeeded, failed, truncated
@@ -127,14 +127,26 @@ def _percentile(values: list[float], q: float) -> float | None:
     return round(values[lo] + (values[hi] - values[lo]) * (k - lo), 3)
 
 
-async def one_request(client: Any, model: str, kind: str, prompt: str, max_tokens: int) -> Outcome:
+# What a client asks: OpenAI's chat and completions, streamed or not (the default mix), and
+# OpenAI Responses and Anthropic Messages, through each SDK's streaming helper.
+KINDS = ("chat", "chat-stream", "completion", "completion-stream", "responses-stream",
+         "messages-stream")  # fmt: skip
+DEFAULT_MIX = ("chat-stream", "chat", "completion-stream", "chat-stream", "completion", "chat")
+
+
+async def one_request(
+    client: Any, model: str, kind: str, prompt: str, max_tokens: int, anthropic_client: Any = None
+) -> Outcome:
+    import anthropic
     import openai
 
     start = time.monotonic()
     outcome = Outcome(kind, start, start, "failed")
     common: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0}
     try:
-        if kind.startswith("chat"):
+        if kind in ("responses-stream", "messages-stream"):
+            finished = await _helper_stream(client, anthropic_client, kind, prompt, common, outcome)
+        elif kind.startswith("chat"):
             messages = [{"role": "user", "content": prompt}]
             if kind == "chat":
                 reply = await client.chat.completions.create(messages=messages, **common)
@@ -154,14 +166,39 @@ async def one_request(client: Any, model: str, kind: str, prompt: str, max_token
         outcome.result = "succeeded" if finished else "truncated"
         if not finished:
             outcome.error = "ended without a finish_reason"
-    except openai.APIStatusError as e:
+    except (openai.APIStatusError, anthropic.APIStatusError) as e:
         outcome.error = f"HTTP {e.status_code}: {str(e.message)[:300]}"
-    except (openai.APIError, OSError) as e:
+    except (openai.APIError, anthropic.APIError, OSError) as e:
         outcome.error = f"{type(e).__name__}: {str(e)[:120]}"
     if outcome.error and outcome.chunks:
         outcome.result = "truncated"
     outcome.end = time.monotonic()
     return outcome
+
+
+async def _helper_stream(
+    client: Any, anthropic_client: Any, kind: str, prompt: str, common: dict[str, Any],
+    outcome: Outcome,
+) -> bool:  # fmt: skip
+    """One answer streamed through the SDK's own helper, which puts the events together: it
+    finished when the helper's final answer says why it stopped."""
+    model, max_tokens = common["model"], common["max_tokens"]
+    if kind == "responses-stream":
+        async with client.responses.stream(
+            model=model, input=prompt, max_output_tokens=max_tokens, temperature=0
+        ) as events:
+            async for event in events:
+                outcome.chunks += event.type == "response.output_text.delta"
+            final = await events.get_final_response()
+        return final.status in ("completed", "incomplete")
+    # (the Anthropic SDK's stream() takes no temperature)
+    async with anthropic_client.messages.stream(
+        model=model, max_tokens=max_tokens, messages=[{"role": "user", "content": prompt}]
+    ) as stream:
+        async for _ in stream.text_stream:
+            outcome.chunks += 1
+        message = await stream.get_final_message()
+    return message.stop_reason is not None
 
 
 async def _drain(stream: Any, outcome: Outcome) -> bool:
@@ -174,19 +211,25 @@ async def _drain(stream: Any, outcome: Outcome) -> bool:
 
 
 async def client_loop(
-    target: Target, index: int, stop: asyncio.Event, report: Report, max_tokens: int
-) -> None:
+    target: Target, index: int, stop: asyncio.Event, report: Report, max_tokens: int,
+    kinds: tuple[str, ...] = DEFAULT_MIX,
+) -> None:  # fmt: skip
+    import anthropic
     import openai
 
-    kinds = ("chat-stream", "chat", "completion-stream", "chat-stream", "completion", "chat")
-    async with openai.AsyncOpenAI(
-        base_url=target.proxy_url + "/v1", api_key=target.api_key, max_retries=0, timeout=900
-    ) as client:
+    async with (
+        openai.AsyncOpenAI(
+            base_url=target.proxy_url + "/v1", api_key=target.api_key, max_retries=0, timeout=900
+        ) as client,
+        anthropic.AsyncAnthropic(
+            base_url=target.proxy_url, api_key=target.api_key, max_retries=0, timeout=900
+        ) as anthropic_client,
+    ):
         n = index
         while not stop.is_set():
             kind, prompt = kinds[n % len(kinds)], PROMPTS[n % len(PROMPTS)]
             report.outcomes.append(
-                await one_request(client, target.model, kind, prompt, max_tokens)
+                await one_request(client, target.model, kind, prompt, max_tokens, anthropic_client)
             )
             n += 1
 
@@ -248,6 +291,7 @@ async def run(
     log: Any = None,
     replicas: Replicas | None = None,
     steady_min: int = 0,
+    kinds: tuple[str, ...] = DEFAULT_MIX,
 ) -> Report:
     """Steady load for `steady_s`, and on until `steady_min` requests have succeeded (at most
     ten times `steady_s`: a busy machine serves slowly), then `switches` switches alternating
@@ -258,7 +302,7 @@ async def run(
         raise RuntimeError(f"could not switch to {between[0]} to begin: {first.error}")
     stop = asyncio.Event()
     tasks = [
-        asyncio.create_task(client_loop(target, i, stop, report, max_tokens))
+        asyncio.create_task(client_loop(target, i, stop, report, max_tokens, kinds))
         for i in range(clients)
     ]
     try:

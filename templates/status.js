@@ -52,6 +52,8 @@ function drawUnits() {
     const name = el("td");
     name.append(el("span", { class: "dot " + u.active }), u.runtime + " ");
     if (u.engine !== u.runtime) name.append(el("span", { class: "dim" }, u.engine));
+    // The APIs it speaks through :8000 (chat.completions, responses, embeddings, ...)
+    if (u.apis) name.append(el("div", { class: "dim apis", "data-apis": u.runtime }, u.apis.join(" · ")));
     row.append(name, el("td", { class: "dim" }, u.active + " (" + u.sub + ")"));
     row.append(el("td", { class: "dim" }, u.cards || "the card"));
     const work = latest[u.runtime];

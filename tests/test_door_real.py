@@ -13,13 +13,16 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 import pytest
 
 from appliance.layout import MONITOR_UNIT
+from tests import clientkit
 from tests.conftest import (
     HF_MODEL,
     Appliance,
@@ -167,6 +170,8 @@ ALLOWED = {
     "/chat/completions", "/v1/chat/completions", "/completions", "/v1/completions",
     "/models", "/v1/models", "/models/smollm2", "/v1/models/smollm2",
     "/health/liveliness", "/health/liveness", "/health/readiness",
+    "/v1/responses", "/responses", "/v1/messages", "/v1/messages/count_tokens",
+    "/v1/embeddings", "/embeddings", "/v1/rerank", "/rerank", "/tokenize", "/detokenize",
 }  # fmt: skip
 NAMED_IN_THE_ISSUE = [
     "/", "/ui", "/ui/", "/openapi.json", "/docs", "/redoc", "/model/new", "/config/update",
@@ -186,6 +191,10 @@ def test_the_door_serves_exactly_the_appliance_routes(
         for path in sample_paths(route):
             requests |= {(m, path, route["kind"]) for m in methods}
     requests |= {(m, path, "http") for path in NAMED_IN_THE_ISSUE for m in ("GET", "POST")}
+    # The runtimes' own routes that LiteLLM does not register, and the door opens
+    requests |= {
+        (m, path, "http") for path in ("/tokenize", "/detokenize") for m in ("GET", "POST")
+    }
     upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13"}
     upgrade["Sec-WebSocket-Key"] = "dGhlIHNhbXBsZSBub25jZQ=="
     answered: dict[tuple[bool, str], set[int]] = {}
@@ -331,6 +340,95 @@ def test_a_model_request_goes_straight_to_the_runtime_with_the_proxys_answer_hea
                 assert r.headers.get(name) == models.headers.get(name), (name, body)
             if not body.get("stream"):
                 assert r.json()["model"] == "smollm2"
+
+
+# --- every API, with the clients people use ------------------------------------------------------
+
+
+def test_the_clients_people_use_speak_every_api_through_the_door(
+    door_app: Appliance, serving: str, tmp_path: Path
+) -> None:
+    door = clientkit.Door(door_app.proxy_port, door_app.key, tmp_path)
+    said = [speak(door) for speak in clientkit.GENERATING]
+    if serving == "llamacpp":  # started with --embeddings --pooling mean (examples/demo.toml)
+        said += [speak(door) for speak in clientkit.EMBEDDING]
+    else:  # vLLM serving a generative model: a clear 501, in OpenAI's shape
+        with pytest.raises(openai.APIStatusError) as refused:
+            clientkit.openai_embeddings(door)
+        assert refused.value.status_code == 501
+        assert "vLLM serves embeddings only when it runs an embedding model" in str(refused.value)
+        said.append(f"embeddings: 501 {refused.value.message}")
+    with client(door_app) as c:
+        tokens = c.post("/tokenize", json={"model": "smollm2", "content": "Say hi"})
+        assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text
+        text = c.post("/detokenize", json={"model": "smollm2", "tokens": tokens.json()["tokens"]})
+        assert "Say hi" in (text.json().get("content") or text.json().get("prompt")), text.text
+        rerank = {"model": "smollm2", "query": "a cat", "documents": ["a cat", "a city"]}
+        refused_rerank = c.post("/v1/rerank", json=rerank)  # neither demo runtime serves rerank
+        assert refused_rerank.status_code == 501
+        assert (
+            f"{ENGINE[serving]} serves rerank only when"
+            in refused_rerank.json()["error"]["message"]
+        )
+        listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+    entry = listed["smollm2"]
+    assert entry["serving_runtime"] == serving, entry
+    assert {"chat.completions", "responses", "messages"} <= set(entry["apis"])
+    assert ("embeddings" in entry["apis"]) == (serving == "llamacpp")
+    assert set(entry["apis_by_runtime"]) == {"llamacpp", "vllm"}
+    print(f"\n{serving}:\n" + "\n".join(said))
+
+
+BAD_API: list[tuple[str, str, dict[str, Any], int, str]] = [
+    # name, path, body, status, words in the message (in the API's own error shape)
+    ("a chat body on Responses", "/v1/responses", CHAT, 400, "input is missing"),
+    ("Responses over the context", "/v1/responses",
+     {"model": "smollm2", "input": "x " * 300_000}, 400, "more than the context"),
+    ("max_output_tokens 0", "/v1/responses", {"model": "smollm2", "input": "hi",
+     "max_output_tokens": 0}, 400, "max_output_tokens must be at least 1"),
+    ("Messages without max_tokens", "/v1/messages", {**CHAT, "max_tokens": None}, 400,
+     "max_tokens is missing"),
+    ("Messages with an unknown model", "/v1/messages", {**CHAT, "model": "claude-x"}, 404,
+     "The model `claude-x` does not exist"),
+    ("empty embeddings input", "/v1/embeddings", {"model": "smollm2", "input": []}, 400,
+     "not an empty array"),
+    ("3000 embeddings inputs", "/v1/embeddings", {"model": "smollm2", "input": ["a"] * 3000},
+     400, "more than the 2048 one request takes"),
+    ("rerank without documents", "/v1/rerank", {"model": "smollm2", "query": "q"}, 400,
+     "documents is missing"),
+    ("tokenize without text", "/tokenize", {"model": "smollm2"}, 400, "content is missing"),
+]  # fmt: skip
+
+
+def test_a_bad_request_to_any_api_is_a_quick_4xx_in_its_shape_and_never_reaches_the_runtime(
+    door_app: Appliance, serving: str
+) -> None:
+    with client(door_app) as c:
+        assert c.post("/v1/chat/completions", json=CHAT).status_code == 200  # the door knows it
+        work = runtime_metric(door_app, WORK_DONE)
+        for name, path, body, status, says in BAD_API:
+            start = time.monotonic()
+            response = c.post(path, json={k: v for k, v in body.items() if v is not None})
+            seconds = time.monotonic() - start
+            assert response.status_code == status, (name, response.text)
+            if path.startswith("/v1/messages"):
+                assert response.json()["type"] == "error", name
+            error = response.json()["error"]
+            assert says in error["message"], (name, error)
+            assert seconds < 1.0, (name, seconds)
+        wrong_type = c.post(
+            "/v1/messages",
+            content=b"a=b",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        assert wrong_type.status_code == 415 and wrong_type.json()["type"] == "error"
+        assert runtime_metric(door_app, WORK_DONE) == work, "the runtime never saw one of them"
+        assert (
+            c.post(
+                "/v1/responses", json={"model": "smollm2", "input": "hi", "max_output_tokens": 4}
+            ).status_code
+            == 200
+        )
 
 
 # --- clients that leave, clients that wait --------------------------------------------------------

@@ -354,7 +354,7 @@ def test_llama_servers_responses_stream_is_mended_for_the_openai_sdk() -> None:
         sdk_stream(raw)
     text = "Zembra, your AI-powered chat assistant! I'm a creative AI"
     for size in (1, 7, 97, len(raw)):  # however the runtime's writes cut it
-        mend = streams.mend_for("responses", True, "llama.cpp")
+        mend = streams.mend_for("responses", True)
         assert mend is not None
         out = b"".join(mend.feed(raw[i : i + size]) for i in range(0, len(raw), size)) + mend.end()
         kinds, final = sdk_stream(out)
@@ -373,9 +373,10 @@ def test_the_mend_changes_no_field_the_runtime_gave() -> None:
                     + b"\n\ndata: [DONE]\n\n")  # fmt: skip
     first, done = out.split(b"\n\n")[:2]
     assert json.loads(first.split(b"data: ")[1]) == event and done == b"data: [DONE]"
-    assert streams.mend_for("responses", True, "vLLM") is None
-    assert streams.mend_for("responses", False, "llama.cpp") is None
-    assert streams.mend_for("messages", True, "llama.cpp") is None
+    assert mend.faithful, "a stream whose first event is OpenAI's whole passes on unparsed"
+    assert mend.feed(b"data: {not json\n\n") == b"data: {not json\n\n"
+    assert streams.mend_for("responses", False) is None
+    assert streams.mend_for("messages", True) is None
 
 
 # --- the model list --------------------------------------------------------------------------------

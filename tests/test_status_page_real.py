@@ -96,6 +96,13 @@ def test_the_page_reads_the_runtime_switches_live_and_charts_the_samples(page: P
             "document.querySelectorAll('svg[data-card] polyline').length == 1", 30, "a chart"
         )
         b.screenshot(ARTIFACTS / "status-page-before.png")
+        # Each runtime's row says the APIs it speaks through :8000.
+        apis = b.evaluate("document.querySelector('[data-apis=llamacpp]').textContent")
+        assert apis.split(" · ") == ["chat.completions", "completions", "responses", "messages",
+                                     "embeddings", "tokenize"], apis  # fmt: skip
+        assert "embeddings" not in b.evaluate(
+            "document.querySelector('[data-apis=vllm]').textContent"
+        )
 
         b.evaluate("document.querySelector('button[data-switch=vllm]').click()")
         phases = b.wait_for("document.querySelectorAll('#phases li').length >= 3 && "

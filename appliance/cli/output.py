@@ -71,6 +71,10 @@ def table(rows: list[list[str]]) -> str:
 def render_status(s: dict[str, Any]) -> str:
     lines = [f"runtime   {s['active_runtime'] or ', '.join(s['active_runtimes']) or 'none active'}"]
     lines.append(_units_table(s["units"]))
+    # The APIs each runtime speaks through the proxy (docs/proxy.md, "Every API")
+    apis = [(u["unit"], u["apis"]) for u in s["units"] if u.get("apis")]
+    for i, (unit, names) in enumerate(apis):
+        lines.append(f"{'apis' if i == 0 else '':<9} {unit}: {' '.join(names)}")
     for key in ("backend", "proxy"):
         p = s[key]
         lines.append(

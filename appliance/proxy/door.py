@@ -4,13 +4,16 @@ Port 8000 serves only the appliance's own routes, and checks every request to th
 LiteLLM parses it, so a bad request costs the runtime nothing. In order:
 
 1. The route. Only ROUTES exist: chat completions, completions and models (with and without
-   `/v1`; GET /v1/models/{name} for the names served), and the liveness and readiness probes.
+   `/v1`; GET /v1/models/{name} for the names served), the liveness and readiness probes, and
+   the APIs of appliance.proxy.apis (Responses, Anthropic Messages, embeddings, rerank,
+   tokenize), each straight to the runtime's own route (`to_runtime`).
    Every other path LiteLLM registers (admin, UI, docs, openapi, spend, keys, model management,
    config, debug, pass-through, MCP, websockets, ...) answers 404 to everyone, key or not; an
    allowed path asked with another method answers 405.
 2. The key: every route but the probes needs `Authorization: Bearer <the appliance's key>`
-   (401 otherwise), before any of the request body is read. A body sent as a form (curl -d
-   without a Content-Type) is refused (415): LiteLLM would read it as a form, not as JSON.
+   or `x-api-key: <the key>` (401 otherwise), before any of the request body is read. A body
+   sent as a form (curl -d without a Content-Type) is refused (415): LiteLLM would read it as a
+   form, not as JSON.
 3. The body of chat completions and completions: at most `max_body_bytes` ([proxy] max_body_mib,
    B70_MAX_BODY_BYTES in the proxy's environment, default 8 MiB). A Content-Length over it is
    refused at once with 413, before the body is sent; a chunked body is counted as it arrives
@@ -26,7 +29,8 @@ deployment on it (appliance.proxy.direct), else LiteLLM's pass-through route
 (appliance.proxy.relay); or, when that fails before its answer begins, the full way: LiteLLM
 reads the body from what was read here, and the client's own messages after it (so
 a client that leaves mid-stream is still seen leaving, and its request cancelled in the runtime).
-Every refusal is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}.
+Every refusal is JSON in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, or
+on Anthropic's routes in its shape, {"type": "error", "error": {"type", "message"}}.
 
 How the layer is put in front: LiteLLM's app is a FastAPI app, whose Starlette base builds
 `app.middleware_stack` on its first ASGI call (the lifespan start-up) and reads that attribute on
@@ -332,13 +336,14 @@ class Door:
                                  "model on this route").send(send)  # fmt: skip
                 return
             body = direct.as_served(checked.body, checked.model, target)
-            mend = streams.mend_for(checked.kind, checked.streams, _engine(checked))
+            mend = streams.mend_for(checked.kind, checked.streams)
             call = direct.Call(target, checked.kind, body, mend=mend)
             await self.direct_app({**scope, call.SCOPE_KEY: call}, receive, send)
             if call.way == direct.ANSWERED:
                 return
             if call.way == direct.REFUSED and call.error is not None:
-                await runtime_error(checked.kind, *call.error, _engine(checked)).send(send)
+                engine = await _engine_now(checked)
+                await runtime_error(checked.kind, *call.error, engine).send(send)
                 return
             if replica and self.replicas is not None:
                 self.replicas.refused(target)
@@ -484,9 +489,10 @@ class Checked(NamedTuple):
     streams: bool = False
 
 
-def _engine(checked: Checked) -> str | None:
-    """The engine of the runtime that serves the request's model, when the door knows it."""
-    facts = checked.backend.known if checked.backend is not None else None
+async def _engine_now(checked: Checked) -> str | None:
+    """The engine of the runtime that serves the request's model, asked again unless the door's
+    answer is a second old (a switch may have changed it), to name it in an error."""
+    facts = await checked.backend.facts(fresh=True) if checked.backend is not None else None
     return facts.engine if facts is not None else None
 
 

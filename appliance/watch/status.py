@@ -30,7 +30,8 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     foreign = backend_squatter(config, props)
     cards = cards_view(config)
     served = {
-        rt.unit: {"port": rt.port, "model": rt.served_model_name} for rt in config.runtimes.values()
+        rt.unit: {"port": rt.port, "model": rt.served_model_name, "apis": list(rt.apis)}
+        for rt in config.runtimes.values()
     }
     return {
         "scope": scope.value,

@@ -171,7 +171,7 @@ class Page:
                 st = sd.properties(rt.unit)
                 units.append({"runtime": name, "unit": rt.unit, "engine": rt.engine.value,
                               "active": st.active_state, "sub": st.sub_state,
-                              "cards": cards.get(rt.unit)})  # fmt: skip
+                              "cards": cards.get(rt.unit), "apis": list(rt.apis)})  # fmt: skip
         serving = [str(u["unit"]) for u in units if u["active"] == "active"]
         journal = None
         if serving:

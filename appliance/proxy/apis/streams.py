@@ -15,8 +15,8 @@ leaves out what OpenAI's Responses streaming events carry besides, and what the 
 The SDK raised `TypeError: list indices must be integers or slices, not NoneType` there. The mend
 adds each missing field, counting the items and parts as they come; a field the runtime gives is
 never changed, and the events keep their order, their text and their timing (each is passed on
-as soon as it is whole). vLLM's streams, and llama-server's Anthropic Messages stream, go as the
-runtime sends them.
+as soon as it is whole). vLLM's Responses stream, which has them, passes as it comes (the mend
+knows it by its first event); the Messages streams of both engines are not touched.
 
 Imported by the proxy: nothing from the rest of the controller but appliance.proxy's own.
 """
@@ -30,15 +30,16 @@ from typing import Any
 from appliance.proxy.apis import RESPONSES
 from appliance.proxy.direct import Mend
 
-LLAMACPP = "llama.cpp"  # as appliance.proxy.backend.Facts names the engine
 MAX_EVENT_BYTES = 8 << 20  # one event held whole before it is passed on unmended
 
 
-def mend_for(kind: str, streams: bool, engine: str | None) -> Mend | None:
-    """What a streamed answer of `kind` from a runtime of `engine` passes through; None: it goes
-    as the runtime sends it. A runtime whose engine the door does not know yet gets the mend
-    too: it leaves a faithful stream as it is."""
-    if kind == RESPONSES and streams and engine in (LLAMACPP, None):
+def mend_for(kind: str, streams: bool) -> Mend | None:
+    """What a streamed answer of `kind` passes through; None: it goes as the runtime sends it.
+    Which runtime answers is not known for sure before it answers (the door's facts about the
+    runtime may be from before a switch), so every Responses stream gets the mend, and the mend
+    tells by the stream's first event whether it needs mending: one that carries a
+    `sequence_number` (vLLM's) passes on as it comes, unparsed."""
+    if kind == RESPONSES and streams:
         return ResponsesMend()
     return None
 
@@ -79,9 +80,14 @@ class ResponsesMend:
         self.sequence = 0
         self.items: dict[str, int] = {}  # item id -> its output_index
         self.parts: dict[str, int] = {}  # item id -> its content parts so far
+        self.faithful = False  # its first event has what OpenAI's carry: the rest passes as is
 
     def feed(self, data: bytes) -> bytes:
+        if self.faithful:
+            return data
         out = b"".join(self.mend(event) for event in self.events.feed(data))
+        if self.faithful:  # found in this data: what is left of it passes as it is
+            return out + self.events.rest()
         if len(self.events.pending) > MAX_EVENT_BYTES:
             out += self.events.rest()  # not an event stream this mend knows: as it is
         return out
@@ -101,12 +107,17 @@ class ResponsesMend:
             if not isinstance(data, dict) or not isinstance(data.get("type"), str):
                 return event
             self.add_fields(data)
+            if self.faithful:
+                return event
             lines[i] = b"data: " + json.dumps(data, ensure_ascii=False).encode()
             return b"\n".join(lines) + b"\n\n"
         return event
 
     def add_fields(self, data: dict[str, Any]) -> None:
         kind: str = data["type"]
+        if self.sequence == 0 and "sequence_number" in data:
+            self.faithful = True
+            return
         data.setdefault("sequence_number", self.sequence)
         self.sequence += 1
         if kind in ("response.created", "response.in_progress"):
