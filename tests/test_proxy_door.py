@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import ssl
 from typing import Any
 
@@ -16,6 +17,7 @@ from starlette.routing import Route
 
 from appliance.proxy import backend, mount
 from appliance.proxy import door as proxy_door
+from tests.conftest import REPO
 from tests.doorkit import AUTH, KEY, LIMIT, MODELS, Inner, call, chat, door
 
 # --- routes -------------------------------------------------------------------------------------
@@ -96,6 +98,17 @@ def test_the_route_table_is_the_appliances() -> None:
         "/v1/responses", "/responses", "/v1/messages", "/v1/messages/count_tokens",
         "/v1/embeddings", "/embeddings", "/v1/rerank", "/rerank", "/tokenize", "/detokenize",
     }  # fmt: skip
+
+
+def test_docs_proxy_md_lists_exactly_the_routes_the_door_opens() -> None:
+    """The route table at the top of docs/proxy.md, read as a user reads it."""
+    text = (REPO / "docs" / "proxy.md").read_text()
+    table = text.split("| route | methods | key |", 1)[1].split("\n\n", 1)[0]
+    listed = set()
+    for row in table.splitlines()[2:]:
+        cell = row.split("|")[1]
+        listed |= {p for p in re.findall(r"`(/[^`]*)`", cell) if "NAME" not in p}
+    assert listed == set(proxy_door.ROUTES)
 
 
 def test_probes_need_no_key_and_everything_else_does() -> None:

@@ -165,3 +165,17 @@ def test_no_module_takes_part_in_a_cycle() -> None:
         if v not in index:
             visit(v)
     assert cycles == []
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """pyproject.toml lists the packages the wheel holds: a package left out is missing where the
+    appliance is installed from its wheel (the system box), though an editable install finds it."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
+    found = {module_name(p) for p in PACKAGE.rglob("__init__.py") if "__pycache__" not in p.parts}
+    assert found <= listed, found - listed

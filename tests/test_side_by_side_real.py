@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from b70tools.net import free_port
@@ -25,7 +26,9 @@ SLOTS = ["0000:03:00.0", "0000:07:00.0"]
 
 
 def config_text(proxy: int, chat: int, second: int, monitor: int, corrupt: Path) -> str:
-    def runtime(name: str, cards: str, port: int, model: Path = GGUF, extra: str = "") -> str:
+    def runtime(
+        name: str, cards: str, port: int, extra: str = "", args: str = "", model: Path = GGUF
+    ) -> str:
         return f"""
 [runtimes.{name}]
 engine = "llamacpp"
@@ -34,7 +37,7 @@ model = "{model}"
 cards = {cards}
 port = {port}
 start_timeout_s = 120
-args = ["-c", "2048", "--parallel", "2", "--threads", "1"]
+args = [{args}"-c", "2048", "--parallel", "2", "--threads", "1"]
 {extra}"""
 
     return (
@@ -56,7 +59,9 @@ health_timeout_s = 1
 hang_after = 2
 """
         + runtime("chat", "[0]", chat)
-        + runtime("second", "[1]", second, extra='served_model_name = "second"')
+        # A reranker beside the chat model, on a card of its own (SmolLM2 is none: its scores
+        # are no ranking, but the API and its way through :8000 are the same).
+        + runtime("second", "[1]", second, 'served_model_name = "second"', '"--reranking", ')
         + runtime("both", "[0, 1]", chat)
         + runtime("broken", "[0, 1]", chat, model=corrupt)
     )
@@ -106,6 +111,28 @@ def test_two_runtimes_serve_at_once_each_under_its_own_name(app: Appliance) -> N
         assert reply.model == model and reply.choices[0].message.content
     table = app.b70ctl("status", check=True).stdout
     assert "PORT" in table and "MODEL" in table and "second" in table
+
+
+def test_a_reranker_on_its_own_card_answers_rerank_through_8000_beside_the_chat_model(
+    app: Appliance,
+) -> None:
+    app.b70ctl("switch", "chat", check=True)
+    app.b70ctl("switch", "second", check=True)
+    rerank = {"query": "a cat", "documents": ["a cat sat on the mat", "Paris is a city"]}
+    with httpx.Client(base_url=f"http://127.0.0.1:{app.proxy_port}", timeout=120,
+                      headers={"Authorization": f"Bearer {app.key}"}) as c:  # fmt: skip
+        ranked = c.post("/v1/rerank", json={**rerank, "model": "second"})
+        assert ranked.status_code == 200, ranked.text
+        assert sorted(r["index"] for r in ranked.json()["results"]) == [0, 1]
+        refused = c.post("/rerank", json={**rerank, "model": "smollm2"})
+        assert refused.status_code == 501, refused.text
+        assert (
+            "llama.cpp serves rerank only when started with `--reranking`"
+            in (refused.json()["error"]["message"])
+        )
+        listed = {m["id"]: m for m in c.get("/v1/models").json()["data"]}
+    assert "rerank" in listed["second"]["apis"] and "rerank" not in listed["smollm2"]["apis"]
+    assert ask(app, "second").choices[0].message.content  # it still generates
 
 
 def test_a_switch_on_one_card_holds_nothing_on_the_other(app: Appliance) -> None:

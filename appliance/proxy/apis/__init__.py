@@ -5,7 +5,7 @@ each one themselves: appliance.apis), with the door's key check, body limit, hol
 and checks of its own (`checks`); a refusal and a runtime's error are answered in the API's own
 error shape (`answers`), and a stream the official SDKs could not read is mended (`streams`).
 
-May import: the core modules and appliance.proxy's own (checks, backend, asgi).
+May import: the core modules and appliance.proxy's own (checks, backend, direct, asgi).
 """
 
 from __future__ import annotations
