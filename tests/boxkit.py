@@ -31,17 +31,18 @@ BOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 class Fetched:
     tree: Path  # the Debian 12 tree
     wheels: Path  # every dependency of the appliance, as wheels for the box's Python
+    ready: Path  # the tree with those installed into /opt/b70 the README's way
 
 
 def fetch() -> Fetched:
-    """scripts/fetch-box: instant once the cache holds both (scripts/test runs it first)."""
+    """scripts/fetch-box: instant once the cache holds them (scripts/test runs it first)."""
     out = subprocess.run(
         [str(REPO / "scripts" / "fetch-box")], capture_output=True, text=True, timeout=1800
     )
     lines = out.stdout.split()
-    if out.returncode != 0 or len(lines) != 2:
+    if out.returncode != 0 or len(lines) != 3:
         raise AssertionError(f"scripts/fetch-box failed (exit {out.returncode}):\n{out.stderr}")
-    return Fetched(Path(lines[0]), Path(lines[1]))
+    return Fetched(Path(lines[0]), Path(lines[1]), Path(lines[2]))
 
 
 def appliance_wheel(wheels: Path, dest: Path) -> Path:

@@ -410,7 +410,10 @@ def test_litellms_model_list_gets_the_apis_on_its_way_out() -> None:
     runtimes_of = {"smollm2": {"llamacpp": RUNTIMES["llamacpp"]}}.get
 
     async def scenario() -> None:
-        send = ModelsAnswer(client.send, runtimes_of, lambda name: "llama.cpp")
+        async def engine_of(name: str) -> str | None:
+            return "llama.cpp"
+
+        send = ModelsAnswer(client.send, runtimes_of, engine_of)
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body[:10], "more_body": True})

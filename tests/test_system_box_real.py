@@ -138,7 +138,10 @@ def readme_box(config: str, binds: dict[Path, str] | None = None) -> Iterator[bo
         }
         # A B70 host's root has CAP_PERFMON (the runtimes' units pass it on); systemd-nspawn
         # leaves it out of a box's capabilities unless asked.
-        with boxkit.booted_box(fetched.tree, binds, capabilities=("CAP_PERFMON",)) as b:
+        # The tree whose /opt/b70 has the locked dependencies, installed there by this same
+        # command once per lock (scripts/fetch-box): here it installs the appliance's own wheel,
+        # built from the checkout as it is.
+        with boxkit.booted_box(fetched.ready, binds, capabilities=("CAP_PERFMON",)) as b:
             b.run(
                 "python3 -m venv /opt/b70 && /opt/b70/bin/pip install --quiet --no-index "
                 "--find-links /wheels --find-links /wheels-app b70-appliance",

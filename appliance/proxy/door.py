@@ -377,10 +377,11 @@ class Door:
             return send
         return models.ModelsAnswer(send, self.runtimes_of, self.engine_of)
 
-    def engine_of(self, model: str) -> str | None:
-        """The engine of the runtime that serves `model` now, when the door knows it."""
+    async def engine_of(self, model: str) -> str | None:
+        """The engine of the runtime that serves `model` now, asked again unless the door's
+        answer is a second old (a switch may have changed it); None when it cannot say."""
         backend = self.backend_of(model) if self.backend_of is not None else self.backend
-        facts = backend.known if backend is not None else None
+        facts = await backend.facts(fresh=True) if backend is not None else None
         return facts.engine if facts is not None else None
 
     async def ready(self, send: Send) -> None:

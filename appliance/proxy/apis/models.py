@@ -16,7 +16,7 @@ Imported by the proxy: nothing from the rest of the controller but appliance.pro
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from appliance import apis
@@ -25,7 +25,7 @@ from appliance.proxy.asgi import Message, Send
 # name -> {runtime: {"engine": ..., "apis": [...]}}, as rendered into the deployments' model_info
 RuntimesOf = Callable[[str], Mapping[str, Mapping[str, Any]] | None]
 # name -> the serving runtime's engine as appliance.proxy.backend.Facts names it, if known
-EngineOf = Callable[[str], str | None]
+EngineOf = Callable[[str], Awaitable[str | None]]
 MAX_LIST_BYTES = 1 << 20
 
 
@@ -72,7 +72,7 @@ class ModelsAnswer:
             if self.size > MAX_LIST_BYTES:  # not a list this door rendered: as it is
                 await self._release(b"".join(self.body), more=message.get("more_body", False))
             elif not message.get("more_body", False):
-                await self._release(self._added(b"".join(self.body)), more=False)
+                await self._release(await self._added(b"".join(self.body)), more=False)
         else:
             await self.send(message)
 
@@ -85,7 +85,7 @@ class ModelsAnswer:
         await self.send({**self.start, "headers": headers})
         await self.send({"type": "http.response.body", "body": body, "more_body": more})
 
-    def _added(self, body: bytes) -> bytes:
+    async def _added(self, body: bytes) -> bytes:
         try:
             data = json.loads(body)
         except ValueError:
@@ -99,5 +99,5 @@ class ModelsAnswer:
                 continue
             runtimes = self.runtimes_of(name)
             if runtimes:
-                entry.update(describe(runtimes, self.engine_of(name)))
+                entry.update(describe(runtimes, await self.engine_of(name)))
         return json.dumps(data).encode()
