@@ -173,6 +173,7 @@ LONGEST = (
     "test_system_box_real",
     "test_faults_real",
     "test_engines_real",
+    "test_apis_real",
     "test_door_real",
     "test_terminal_real",
     "test_system_box_podman_real",
