@@ -350,6 +350,18 @@ def appliance_on_cards(
         shutil.rmtree(tree_root, ignore_errors=True)
 
 
+# A second llama.cpp runtime as the demo's first one is (demo_config_text): `extra` TOML for the
+# tests that switch to another runtime, and not to vLLM's half-minute start.
+SECOND_LLAMACPP = f"""
+[runtimes.llamacpp-b]
+engine = "llamacpp"
+command = ["{LLAMA_SERVER}"]
+model = "{GGUF}"
+start_timeout_s = 120
+args = ["--embeddings", "--pooling", "mean", "-c", "2048", "--parallel", "2", "--threads", "1"]
+"""
+
+
 @pytest.fixture(scope="session")
 def appliance(manager: Manager, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     require_real_parts()
@@ -358,14 +370,9 @@ def appliance(manager: Manager, tmp_path_factory: pytest.TempPathFactory) -> Ite
     corrupt.write_bytes(b"GGUF" + os.urandom(4096))  # a GGUF magic, then garbage
     # llamacpp-b: a second llama.cpp runtime, for the tests that need another runtime to switch
     # to and not vLLM's half-minute start in particular; broken: one whose start fails.
-    broken = f"""
-[runtimes.llamacpp-b]
-engine = "llamacpp"
-command = ["{LLAMA_SERVER}"]
-model = "{GGUF}"
-start_timeout_s = 120
-args = ["--embeddings", "--pooling", "mean", "-c", "2048", "--parallel", "2", "--threads", "1"]
-
+    broken = (
+        SECOND_LLAMACPP
+        + f"""
 [runtimes.broken]
 engine = "llamacpp"
 command = ["{LLAMA_SERVER}"]
@@ -375,6 +382,7 @@ start_timeout_s = 60
 [gpu]
 memory_needed_gib = 1
 """
+    )
     proxy_port, backend_port = free_port(), free_port()
     config = root / "appliance.toml"
     config.write_text(demo_config_text(proxy_port, backend_port, broken))

@@ -19,8 +19,7 @@ from b70tools.net import free_port
 from tests import clientkit
 from tests.conftest import (
     CACHE,
-    GGUF,
-    LLAMA_SERVER,
+    SECOND_LLAMACPP,
     Appliance,
     demo_config_text,
     installed,
@@ -101,18 +100,11 @@ def long_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance
     require_real_parts()
     assert CODEX.exists(), f"{CODEX} is missing: run scripts/fetch-codex"
     root = tmp_path_factory.mktemp("long")
-    second = f"""
-[runtimes.llamacpp-b]
-engine = "llamacpp"
-command = ["{LLAMA_SERVER}"]
-model = "{GGUF}"
-start_timeout_s = 120
-args = ["-c", "2048", "--parallel", "2", "--threads", "1"]
-"""
     proxy_port, backend_port = free_port(), free_port()
     with running_manager(root / "manager") as manager:
         config = root / "appliance.toml"
-        config.write_text(demo_config_text(proxy_port, backend_port, second).replace(*LONG))
+        text = demo_config_text(proxy_port, backend_port, SECOND_LLAMACPP)
+        config.write_text(text.replace(*LONG))  # both llama.cpp runtimes
         with installed(manager, config, proxy_port, backend_port) as app:
             yield app
 
