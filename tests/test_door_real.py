@@ -361,6 +361,10 @@ def test_the_clients_people_use_speak_every_api_through_the_door(
         assert refused.value.status_code == 501
         assert "vLLM serves embeddings only when it runs an embedding model" in str(refused.value)
         said.append(f"embeddings: 501 {refused.value.message}")
+        with pytest.raises(openai.APIStatusError) as refused:  # LangChain's client is OpenAI's
+            clientkit.langchain_embeddings(door)
+        assert refused.value.status_code == 501
+        said.append("langchain embeddings: the same 501")
     with client(door_app) as c:
         tokens = c.post("/tokenize", json={"model": "smollm2", "content": "Say hi"})
         assert tokens.status_code == 200 and tokens.json()["tokens"], tokens.text
