@@ -14,10 +14,11 @@ LiteLLM parses it, so a bad request costs the runtime nothing. In order:
    or `x-api-key: <the key>` (401 otherwise), before any of the request body is read. A body
    sent as a form (curl -d without a Content-Type) is refused (415): LiteLLM would read it as a
    form, not as JSON.
-3. The body of chat completions and completions: at most `max_body_bytes` ([proxy] max_body_mib,
-   B70_MAX_BODY_BYTES in the proxy's environment, default 8 MiB). A Content-Length over it is
-   refused at once with 413, before the body is sent; a chunked body is counted as it arrives
-   and refused as soon as it passes the limit, so no more than the limit is ever held. 8 MiB
+3. The body of every request to the model, on every API: at most `max_body_bytes`
+   ([proxy] max_body_mib, B70_MAX_BODY_BYTES in the proxy's environment, default 8 MiB). A
+   Content-Length over it is refused at once with 413, before the body is sent; a chunked body
+   is counted as it arrives and refused as soon as it passes the limit, so no more than the
+   limit is ever held. 8 MiB
    holds a whole 131072-token context as text many times over (about 4 bytes a token, up to 6
    in JSON escapes) and a few images as data URLs; bodies of tens of megabytes, which would keep
    the proxy and the runtime busy parsing them, do not pass.
