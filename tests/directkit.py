@@ -126,3 +126,23 @@ async def _relay(runtime: Runtime, client: Client, kind: str, limit_s: float) ->
         return await direct.relay(
             runtime.target(), kind, BODY, client.receive, client.send, limit_s
         )
+
+
+async def through(door_app: Any, client: Client, path: str, body: bytes) -> None:
+    """One POST of `body` to `path` with the key, through an ASGI app (the door), the client's
+    side being `client`: its body first, then whatever the client does (it may leave)."""
+    scope = {
+        "type": "http", "method": "POST", "path": path, "root_path": "", "query_string": b"",
+        "headers": [(b"authorization", f"Bearer {KEY}".encode()),
+                    (b"content-length", str(len(body)).encode())],
+    }  # fmt: skip
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await client.receive()
+
+    await door_app(scope, receive, client.send)

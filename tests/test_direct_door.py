@@ -10,6 +10,7 @@ from typing import Any
 from appliance.proxy import direct, mount
 from appliance.proxy import door as proxy_door
 from appliance.proxy.backend import CHAT
+from tests import directkit
 from tests.directkit import BODY, KEY, Client, Runtime, Script, answer
 
 # --- the door ------------------------------------------------------------------------------------
@@ -49,22 +50,7 @@ def through_door(script: Script | None) -> tuple[Client, Inner, list[float]]:
                 inner, None, lambda: {"smollm2"}, lambda: KEY, wait_ready=wait_ready,
                 hold_s=60, hold=hold, direct_to=lambda name: target,
             )  # fmt: skip
-            scope = {
-                "type": "http", "method": "POST", "path": "/v1/chat/completions",
-                "root_path": "", "query_string": b"",
-                "headers": [(b"authorization", f"Bearer {KEY}".encode()),
-                            (b"content-length", str(len(BODY)).encode())],
-            }  # fmt: skip
-            sent = False
-
-            async def receive() -> dict[str, Any]:
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": BODY, "more_body": False}
-                return await client.receive()
-
-            await door(scope, receive, client.send)
+            await directkit.through(door, client, "/v1/chat/completions", BODY)
 
     asyncio.run(scenario())
     return client, inner, waits

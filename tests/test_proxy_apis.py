@@ -21,6 +21,7 @@ from appliance.proxy.apis.checks import MAX_INPUTS, check_api
 from appliance.proxy.apis.models import ModelsAnswer, describe
 from appliance.proxy.backend import Backend, Facts
 from appliance.proxy.waiting import HoldTimeout
+from tests import directkit
 from tests.directkit import KEY, Client, Runtime, Script, answer, stream
 from tests.doorkit import AUTH, call, door
 
@@ -214,23 +215,7 @@ def through(path: str, body: dict[str, Any], script: Script | None, engine: str 
                 inner_app, backend, lambda: MODELS, lambda: KEY, wait_ready=wait_ready,
                 hold_s=60, hold=hold, direct_to=lambda name: target,
             )  # fmt: skip
-            raw = json.dumps(body).encode()
-            scope = {
-                "type": "http", "method": "POST", "path": path, "root_path": "",
-                "query_string": b"",
-                "headers": [(b"authorization", f"Bearer {KEY}".encode()),
-                            (b"content-length", str(len(raw)).encode())],
-            }  # fmt: skip
-            sent = False
-
-            async def receive() -> dict[str, Any]:
-                nonlocal sent
-                if not sent:
-                    sent = True
-                    return {"type": "http.request", "body": raw, "more_body": False}
-                return await client.receive()
-
-            await door_app(scope, receive, client.send)
+            await directkit.through(door_app, client, path, json.dumps(body).encode())
 
     async def inner_app(scope: Any, receive: Any, send: Any) -> None:
         raise AssertionError("these routes never go LiteLLM's way")
@@ -338,6 +323,7 @@ def test_a_stream_passes_through_whole() -> None:
 def sdk_stream(body: bytes) -> tuple[list[str], Any]:
     """The OpenAI SDK's responses.stream() reading `body` as the server's answer."""
     from openai import OpenAI  # here: importing it takes most of a second, in every worker
+
     headers = {"content-type": "text/event-stream"}
     transport = httpx.MockTransport(lambda _: httpx.Response(200, headers=headers, content=body))
     client = OpenAI(
