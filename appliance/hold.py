@@ -161,15 +161,26 @@ class HeldCounts:
     timed_out: int = 0  # of those, answered 503 when the hold time ran out
 
 
-def write_counts(state_dir: Path, counts: HeldCounts, first: bool = False) -> None:
-    """This worker's counts; its first write also removes the files of workers that are gone."""
+def write_counts(
+    state_dir: Path,
+    counts: HeldCounts,
+    first: bool = False,
+    port: int | None = None,
+    oldest: float | None = None,
+) -> None:
+    """One turnstile's counts, in a file of its worker and runtime port (PID-PORT.json; PID.json
+    without a port); its first write also removes the files of workers that are gone. `oldest`:
+    since when (epoch seconds) the longest-waiting of the `counts.now` requests waits."""
     folder = state_dir / HELD_DIR
     folder.mkdir(parents=True, exist_ok=True)
     if first:
         for path, _ in _worker_files(folder, alive=False):
             path.unlink(missing_ok=True)
     record = {**counts.__dict__, "pid_start": start_time(os.getpid())}
-    _write(folder / f"{os.getpid()}.json", json.dumps(record) + "\n")
+    if port is not None:
+        record |= {"port": port, "oldest": oldest}
+    name = f"{os.getpid()}.json" if port is None else f"{os.getpid()}-{port}.json"
+    _write(folder / name, json.dumps(record) + "\n")
 
 
 def _worker_files(folder: Path, alive: bool) -> Iterator[tuple[Path, dict[str, object]]]:
@@ -178,16 +189,82 @@ def _worker_files(folder: Path, alive: bool) -> Iterator[tuple[Path, dict[str, o
     except FileNotFoundError:
         return
     for path in files:
-        stem = path.name.removesuffix(".json")
-        if not (path.name.endswith(".json") and stem.isdigit()):
+        pid, _, port = path.name.removesuffix(".json").partition("-")
+        if not (path.name.endswith(".json") and pid.isdigit() and (port == "" or port.isdigit())):
             continue
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             data = {}
-        is_alive = isinstance(data, dict) and start_time(int(stem)) == data.get("pid_start")
+        is_alive = isinstance(data, dict) and start_time(int(pid)) == data.get("pid_start")
         if is_alive == alive:
             yield path, data
+
+
+@dataclass(frozen=True)
+class Queue:
+    """The requests waiting at the proxy for one runtime port, over its live workers."""
+
+    count: int
+    oldest: float  # since when (epoch seconds) the longest-waiting one waits
+
+
+def read_queues(state_dir: Path) -> dict[int, Queue]:
+    """Runtime port -> the requests waiting for it now (ports with none are left out)."""
+    out: dict[int, Queue] = {}
+    for _, data in _worker_files(state_dir / HELD_DIR, alive=True):
+        port, now, oldest = data.get("port"), data.get("now"), data.get("oldest")
+        if not (isinstance(port, int) and isinstance(now, int) and now > 0):
+            continue
+        since = float(oldest) if isinstance(oldest, int | float) else time.time()
+        before = out.get(port)
+        if before is not None:
+            now, since = now + before.count, min(since, before.oldest)
+        out[port] = Queue(now, since)
+    return out
+
+
+# --- what the monitor's switch on demand says to the requests it cannot serve -------------------
+
+DEMAND_FILE = "demand.json"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A runtime that failed to start on demand: requests waiting for its port get a 503 at
+    once until `until`, rather than a switch tried again for each."""
+
+    runtime: str
+    until: float  # epoch seconds
+    why: str
+
+
+def write_demand(state_dir: Path, doc: dict[str, object]) -> None:
+    """The switch on demand's record ({"refused": {PORT: {runtime, until, why}}, ...}): written by
+    the monitor, read by the proxy's workers (so readable by all, like the mark)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    _write(state_dir / DEMAND_FILE, json.dumps(doc, sort_keys=True) + "\n")
+
+
+def read_demand(state_dir: Path) -> dict[str, object]:
+    try:
+        data = json.loads((state_dir / DEMAND_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_refused(state_dir: Path, port: int | None, now: float | None = None) -> Refused | None:
+    """Whether requests for `port` are refused now, because its runtime failed to start."""
+    refused = read_demand(state_dir).get("refused")
+    entry = refused.get(str(port)) if isinstance(refused, dict) else None
+    if not isinstance(entry, dict):
+        return None
+    try:
+        out = Refused(str(entry["runtime"]), float(entry["until"]), str(entry["why"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return out if out.until > (time.time() if now is None else now) else None
 
 
 def read_counts(state_dir: Path) -> HeldCounts:

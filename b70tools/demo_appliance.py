@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,12 +62,13 @@ def demo_appliance(
     key_from: Path | None = None,
     threads: int = 2,
     b70ctl: str = B70CTL,
+    rewrite: Callable[[str], str] | None = None,
 ) -> Iterator[Demo]:
     """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML; with
     `key_from`, that proxy.env's key (a fleet shares one); llama-server on `threads` threads
     (two boxes on one 2-core machine want 1 each: llama.cpp's threads spin while they wait for
     each other, and two servers of 2 threads on 2 cores slow each other to a crawl); `b70ctl`
-    installs it, and its units run that one."""
+    installs it, and its units run that one; `rewrite`, the config's text as it is written."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
     subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)
@@ -76,7 +77,8 @@ def demo_appliance(
         env[key] = value
     proxy_port, backend_port = free_port(), free_port()
     config = root / "appliance.toml"
-    config.write_text(demo_text(proxy_port, backend_port, cache, extra, threads))
+    text = demo_text(proxy_port, backend_port, cache, extra, threads)
+    config.write_text(rewrite(text) if rewrite is not None else text)
     demo = Demo(env, [b70ctl, "--user", "--config", str(config)], proxy_port, backend_port)
     if key_from is not None:
         demo.key_file.parent.mkdir(parents=True, exist_ok=True)

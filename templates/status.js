@@ -36,6 +36,7 @@ function draw() {
   $("model").textContent = "model " + view.model;
   drawUnits();
   drawNow();
+  drawDemand();
   drawJob();
   drawCharts();
   drawSwitches();
@@ -107,6 +108,25 @@ function drawNow() {
   h.textContent = !s ? "–" : s.healthy ? "ok" : s.switching ? "switching" : "down";
   h.className = !s ? "" : s.healthy ? "ok" : "bad";
   $("age").textContent = "updated " + clock(view.now) + (s ? " · last sample " + clock(s.t) : "");
+}
+
+// Switching on demand: what waits for which runtime and why, the pin, a runtime refused
+function drawDemand() {
+  const box = $("demand");
+  box.replaceChildren();
+  const d = view.demand;
+  if (!d) return;
+  if (d.on_demand) {
+    const why = d.decision && d.decision.reason ? " · " + d.decision.reason : "";
+    box.append(el("div", { class: "dim", "data-on-demand": "" }, "switching on demand" + why));
+  }
+  for (const q of d.queues) {
+    box.append(el("div", { "data-queue": q.runtime }, `${q.waiting} waiting for ${q.model} (${q.runtime}), the oldest ${secs(q.oldest_s)}`));
+  }
+  if (d.pin) box.append(el("div", { "data-pin": d.pin.runtime }, `${d.pin.runtime} pinned until ${clock(d.pin.until)}`));
+  for (const r of d.refused) {
+    box.append(el("div", { class: "bad", "data-refused": r.runtime }, `${r.runtime} failed to start on demand, not tried for ${secs(r.left_s)}: ${r.why}`));
+  }
 }
 
 function drawJob() {
@@ -205,6 +225,7 @@ function drawSwitches() {
     const cell = el("td");
     cell.append(bar);
     row.append(cell);
+    row.append(el("td", { class: "dim", "data-reason": w.reason || "by hand" }, w.reason || "by hand"));
     const outcome = w.ok ? "ok" : w.rolled_back ? "failed, rolled back" : "failed";
     const out = el("td", { class: w.ok ? "ok" : "bad", title: w.error || "" }, outcome);
     if (w.error) out.append(el("div", { class: "dim" }, w.error.split("\n")[0]));

@@ -21,6 +21,11 @@ engine = "vllm"
 model = "/models/hf"
 """
 
+# Two runtimes that take turns on one card, each with a name (and so a port) of its own
+TWO_NAMES = GOOD.replace(
+    'model = "/models/hf"', 'model = "/models/hf"\nserved_model_name = "big"\nport = 8002'
+)
+
 # (name, config text, text the error must contain: the dotted key and what is wrong)
 BAD = [
     (
@@ -151,6 +156,22 @@ BAD = [
         ),
         "runtimes.vllm.command: container launchers",
     ),
+    (
+        "on demand with one served name",
+        GOOD + "\n[switching]\non_demand = true\n",
+        "switching.on_demand: every runtime serves 'smollm2' on port 8001",
+    ),
+    (
+        "on demand that would time out before a request's turn",
+        TWO_NAMES + "\n[switching]\non_demand = true\nmax_wait_s = 300\n",
+        "switching.max_wait_s: 300 s is not below proxy.hold_s (300 s)",
+    ),
+    (
+        "on demand with a batch of none",
+        TWO_NAMES + "\n[switching]\non_demand = true\nbatch = 0\n",
+        "switching.batch: 0",
+    ),
+    ("a typo in switching", TWO_NAMES + "\n[switching]\non_demnd = true\n", "switching.on_demnd"),
 ]
 
 # Values that would reach further than they should: into another line of a unit file, another

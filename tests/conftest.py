@@ -318,6 +318,22 @@ def live_pid(app: Appliance, unit: str, timeout_s: float = 60) -> int:
 
 
 @contextmanager
+def own_appliance(
+    root: Path, extra: str = "", edit: Callable[[str], str] | None = None
+) -> Iterator[Appliance]:
+    """The demo appliance plus `extra` TOML (its text then `edit`ed), on free ports, under a
+    user manager of its own in `root`; uninstalled and the manager stopped after."""
+    require_real_parts()
+    proxy_port, backend_port = free_port(), free_port()
+    with running_manager(root / "manager") as manager:
+        config = root / "appliance.toml"
+        text = demo_config_text(proxy_port, backend_port, extra)
+        config.write_text(edit(text) if edit is not None else text)
+        with installed(manager, config, proxy_port, backend_port) as app:
+            yield app
+
+
+@contextmanager
 def appliance_on_cards(
     root: Path,
     slots: list[str],

@@ -16,17 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from b70tools.net import free_port
 from tests import clientkit
 from tests.conftest import (
     CACHE,
     SECOND_LLAMACPP,
     Appliance,
-    demo_config_text,
-    installed,
     llamacpp_counter,
-    require_real_parts,
-    running_manager,
+    own_appliance,
 )
 
 
@@ -103,16 +99,10 @@ LONG = ('"-c", "2048", "--parallel", "2"', '"-c", "8192", "--parallel", "1", "-n
 
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
-    require_real_parts()
     assert CODEX.exists(), f"{CODEX} is missing: run scripts/fetch-codex"
-    root = tmp_path_factory.mktemp("long")
-    proxy_port, backend_port = free_port(), free_port()
-    with running_manager(root / "manager") as manager:
-        config = root / "appliance.toml"
-        text = demo_config_text(proxy_port, backend_port, SECOND_LLAMACPP)
-        config.write_text(text.replace(*LONG))  # both llama.cpp runtimes
-        with installed(manager, config, proxy_port, backend_port) as app:
-            yield app
+    edit = lambda text: text.replace(*LONG)  # noqa: E731 - both llama.cpp runtimes
+    with own_appliance(tmp_path_factory.mktemp("long"), SECOND_LLAMACPP, edit) as app:
+        yield app
 
 
 def test_a_coding_agent_works_through_8000_across_a_switch(

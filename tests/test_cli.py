@@ -34,6 +34,7 @@ def test_the_public_commands() -> None:
         "status",
         "switch",
         "uninstall",
+        "unpin",
     ]
 
 
@@ -92,6 +93,7 @@ ARGS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("status",): (),
     ("switch",): ("vllm",),
     ("uninstall",): (),
+    ("unpin",): (),
     ("unit",): (),
     ("unit", "pre"): ("--port", "1"),
     ("unit", "ready"): ("--url", "http://127.0.0.1:1", "--engine", "llamacpp", "--pid", "4194304"),

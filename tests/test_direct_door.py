@@ -121,3 +121,38 @@ def test_the_direct_way_passes_through_the_proxys_answer_layers_only() -> None:
     assert client.status == 200
     assert client.headers[b"access-control-allow-origin"] == b"*"
     assert client.headers[b"x-frame-options"] == b"DENY"
+
+
+def test_a_client_that_leaves_while_its_request_is_held_leaves_the_queue_at_once(
+    tmp_path: Any,
+) -> None:
+    """Held for a runtime that does not serve (a real turnstile, its queue on disk), the client
+    leaves: its place is freed then, not when the hold time runs out, and nothing is sent."""
+    from appliance import hold as hold_mark
+    from appliance.proxy import waiting
+
+    async def down() -> bool:
+        return False
+
+    turnstile = waiting.Turnstile(tmp_path, down, hold_s=300, port=9)
+    client, inner = Client(), Inner()
+
+    async def scenario() -> None:
+        door = proxy_door.Door(
+            inner, None, lambda: {"smollm2"}, lambda: KEY, hold_s=300,
+            hold=lambda token: turnstile.wait(token), direct_to=lambda name: None,
+        )  # fmt: skip
+        request = asyncio.ensure_future(
+            directkit.through(door, client, "/v1/chat/completions", BODY)
+        )
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if hold_mark.read_queues(tmp_path):
+                break
+        assert hold_mark.read_queues(tmp_path)[9].count == 1
+        client.leave.set()
+        await asyncio.wait_for(request, 5)
+
+    asyncio.run(scenario())
+    assert hold_mark.read_queues(tmp_path) == {}
+    assert client.messages == [] and inner.bodies == []

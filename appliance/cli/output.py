@@ -90,6 +90,7 @@ def render_status(s: dict[str, Any]) -> str:
             f"{held['held_total']} waited since it started, {held['timed_out_total']} got 503"
         )
     lines += _last_switch_lines(s.get("last_switch"))
+    lines += _demand_lines(s.get("demand"))
     killed = s.get("killed_switch")
     if killed:
         lines.append(
@@ -139,10 +140,35 @@ def _last_switch_lines(last: dict[str, Any] | None) -> list[str]:
         outcome += ", interrupted"
     lines = [
         f"last switch  {last['from'] or '-'} -> {last['to']} at {when}, "
-        f"{last['seconds']:.1f} s, {outcome}"
+        f"{last['seconds']:.1f} s, {outcome} ({last.get('reason', 'by hand')})"
     ]
     if last.get("error"):
         lines.append("  " + last["error"].splitlines()[0])
+    return lines
+
+
+def _demand_lines(d: dict[str, Any] | None) -> list[str]:
+    """The switch on demand: what waits for which runtime, why it waits, the pin, refusals."""
+    if not d:
+        return []
+    lines = []
+    if d["on_demand"]:
+        why = d.get("decision") or {}
+        lines.append(f"on demand  yes{'; ' + why['reason'] if why.get('reason') else ''}")
+    for q in d["queues"]:
+        lines.append(
+            f"  queue     {q['waiting']} for {q['model']} ({q['runtime']}), "
+            f"the oldest {q['oldest_s']:.0f} s"
+        )
+    if d.get("pin"):
+        pin = d["pin"]
+        until = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(pin["until"]))
+        lines.append(f"pin       {pin['runtime']} until {until} (`b70ctl unpin` ends it)")
+    for r in d["refused"]:
+        lines.append(
+            f"refused   {r['runtime']} for {r['left_s']:.0f} s more: it failed to start on "
+            f"demand: {r['why']}"
+        )
     return lines
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -107,21 +108,39 @@ def uninstall(ctx: Context, purge: bool) -> None:
     type=click.FloatRange(min=0),
     help="Seconds to wait for the old runtime's requests to finish (default: [proxy] drain_s).",
 )
+@click.option(
+    "--pin",
+    metavar="DURATION",
+    help="Keep NAME serving against switches on demand for this long (30m, 2h, 1d).",
+)
 @with_json
-def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: float | None) -> None:
+def switch(
+    ctx: Context,
+    name: str,
+    restart: bool,
+    gate: bool,
+    drain_timeout: float | None,
+    pin: str | None,
+) -> None:
     """Make runtime NAME the one serving, or roll back to the previous one and fail.
 
     New requests wait at the proxy while the old runtime finishes what it has in flight, stops,
-    and NAME starts; clients see a slower answer, not an error.
+    and NAME starts; clients see a slower answer, not an error. A switch by hand ends a pin on
+    another runtime; with --pin, demand ([switching] on_demand) does not swap NAME out until
+    the pin ends or `b70ctl unpin`.
 
     \b
     Example:
       sudo b70ctl switch llamacpp
+      sudo b70ctl switch vllm --pin 2h
     """
+    from appliance.layout import layout
     from appliance.switch import apply
+    from appliance.switch.demand import pins
     from appliance.units import serving as units
 
     ctx.require_root("switch")
+    pin_s = pins.parse_duration(pin) if pin is not None else None
     progress: units.Progress = (
         output.progress if sys.stderr.isatty() or not ctx.json else units.no_progress
     )
@@ -139,7 +158,38 @@ def switch(ctx: Context, name: str, restart: bool, gate: bool, drain_timeout: fl
             line.close()
     data = dataclasses.asdict(result)
     data.pop("journal")
+    state_dir = layout(ctx.scope).state_dir
+    held = pins.read_pin(state_dir)
+    if pin_s is not None:
+        until = time.strftime(
+            "%Y-%m-%d %H:%M:%S", time.localtime(pins.write_pin(state_dir, name, pin_s).until)
+        )
+        data["notes"].append(f"pinned for {pin}: demand does not swap {name} out until {until}")
+    elif held is not None and held.runtime != name:
+        pins.clear_pin(state_dir)
+        data["notes"].append(f"the pin on {held.runtime} ended with this switch by hand")
     output.show(ctx.json, data, lambda: output.render_switch(data))
+
+
+@cli.command()
+@with_json
+def unpin(ctx: Context) -> None:
+    """End a pin (`b70ctl switch NAME --pin`): switches on demand may swap its runtime out again.
+
+    \b
+    Example:
+      sudo b70ctl unpin
+    """
+    from appliance.layout import layout
+    from appliance.switch.demand import pins
+
+    ctx.require_root("unpin")
+    ctx.config()  # the appliance it is: a broken config is said, not passed over
+    held = pins.clear_pin(layout(ctx.scope).state_dir)
+    data = {"unpinned": held.runtime if held else None}
+    output.show(
+        ctx.json, data, lambda: f"{held.runtime} is no longer pinned" if held else "no pin held"
+    )
 
 
 @cli.command()

@@ -19,6 +19,7 @@ from appliance.config.model import (
     PeersConfig,
     ProxyConfig,
     RuntimeConfig,
+    SwitchingConfig,
     default_b70ctl,
     default_config_path,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "ProxyConfig",
     "RuntimeConfig",
     "Scope",
+    "SwitchingConfig",
     "default_b70ctl",
     "default_config_path",
     "hosts_overlap",

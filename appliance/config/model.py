@@ -119,6 +119,20 @@ class MonitorConfig:
 
 
 @dataclass(frozen=True)
+class SwitchingConfig:
+    """[switching]: switch on demand, and the policy that decides when (docs/switch.md)."""
+
+    # A request for a name whose runtime does not serve waits at the proxy, and the monitor
+    # switches that runtime in when the policy says so (appliance.switch.demand).
+    on_demand: bool = False
+    max_wait_s: float = 120.0  # no request waits longer before its runtime goes first
+    stay_factor: float = 2.0  # a runtime serves at least this many times its swap's cost
+    batch: int = 8  # requests waiting for another runtime that are worth draining a busy one
+    idle_return_s: float | None = None  # back to default_runtime after this long with no request
+    backoff_s: float = 60.0  # a runtime that failed to start on demand is not tried for this long
+
+
+@dataclass(frozen=True)
 class PeersConfig:
     """Other b70 appliances whose proxies serve the same names: this proxy routes to them too."""
 
@@ -185,6 +199,7 @@ class Config:
     docker: str = "/usr/bin/docker"
     podman: str = "/usr/bin/podman"
     peers: PeersConfig = PeersConfig()
+    switching: SwitchingConfig = SwitchingConfig()
     # The file's text as it was validated: install keeps exactly this, not a later copy.
     text: str = field(default="", repr=False, compare=False)
 

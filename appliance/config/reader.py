@@ -137,6 +137,7 @@ class _Reader(CardKeys, ServingKeys):
             "runtimes",
             "monitor",
             "peers",
+            "switching",
         }
         self.known(data, "", top)
         proxy = self.proxy(self.table(data, "proxy"))
@@ -168,6 +169,7 @@ class _Reader(CardKeys, ServingKeys):
         self.side_by_side(runtimes)
         return Config(
             peers=self.peers(self.table(data, "peers"), proxy),
+            switching=self.switching(self.table(data, "switching"), proxy, runtimes),
             monitor=monitor,
             path=self.path,
             default_runtime=default,

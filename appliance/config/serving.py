@@ -1,5 +1,6 @@
-"""Where runtimes serve: each one's port and the name it serves, and the peer appliances whose
-proxies serve the same names (for the reader of the whole file)."""
+"""Where runtimes serve: each one's port and the name it serves, the peer appliances whose
+proxies serve the same names, and [switching], which says whether a request may switch its
+runtime in (for the reader of the whole file)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from appliance.config.model import (
     PeersConfig,
     ProxyConfig,
     RuntimeConfig,
+    SwitchingConfig,
 )
 from appliance.config.values import (
+    DAY_S,
     HOUR_S,
     check_host,
     check_model_name,
@@ -84,3 +87,38 @@ class ServingKeys(Walker):
                 t, "cooldown_s", p, float, 5.0, check_range(0, HOUR_S, low_open=True)
             ),
         )
+
+    def switching(
+        self, t: Mapping[str, Any], proxy: ProxyConfig, runtimes: Mapping[str, RuntimeConfig]
+    ) -> SwitchingConfig:
+        p = "switching."
+        keys = {"on_demand", "max_wait_s", "stay_factor", "batch", "idle_return_s", "backoff_s"}
+        self.known(t, p, keys)
+        idle = self.get(t, "idle_return_s", p, float, 0.0, check_range(0, DAY_S))
+        out = SwitchingConfig(
+            on_demand=self.get(t, "on_demand", p, bool, False),
+            max_wait_s=self.get(t, "max_wait_s", p, float, 120.0, check_range(0, HOUR_S)),
+            stay_factor=self.get(t, "stay_factor", p, float, 2.0, check_range(0, 100)),
+            batch=self.get(t, "batch", p, int, 8, check_range(1, 100_000)),
+            idle_return_s=idle or None,
+            backoff_s=self.get(t, "backoff_s", p, float, 60.0, check_range(0, HOUR_S)),
+        )
+        if not out.on_demand:
+            return out
+        ports = {rt.port for rt in runtimes.values()}
+        if len(ports) < 2:
+            raise self.fail(
+                p + "on_demand",
+                f"every runtime serves {proxy.model!r} on port {ports.pop()}: a request never "
+                "waits for a runtime that does not serve",
+                "give another runtime its own served_model_name and port, or drop on_demand",
+            )
+        if out.max_wait_s >= proxy.hold_s:
+            raise self.fail(
+                p + "max_wait_s",
+                f"{out.max_wait_s:g} s is not below proxy.hold_s ({proxy.hold_s:g} s): a request "
+                "would be answered 503 before its turn came",
+                f"raise proxy.hold_s above max_wait_s plus a switch's time, e.g. hold_s = "
+                f"{out.max_wait_s + 180:g}",
+            )
+        return out

@@ -51,6 +51,8 @@ appliance.hold.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import time
@@ -264,6 +266,8 @@ class Door:
             if sent is not None:
                 await resend(self.app, scope, checked.body, receive, send, arrived, self.hold_s,
                              self.wait_ready, self.clock, token, sent)  # fmt: skip
+        except _Disconnected:
+            pass  # the client left while its request waited: nothing to answer
         finally:
             ticket.close()
             hold.TICKET.reset(context)
@@ -292,7 +296,7 @@ class Door:
             if answered is not None:
                 return None if answered else 1
         try:
-            await self.hold(token)
+            await unless_left(self.hold(token), receive)
         except HoldTimeout as e:
             await hold_timeout(e).send(send)
             return None
@@ -308,7 +312,7 @@ class Door:
                 # does not serve again within the request's hold time, that is the answer.
                 left = max(0.0, self.hold_s - (self.clock() - arrived))
                 try:
-                    await self.wait_ready(left, token)
+                    await unless_left(self.wait_ready(left, token), receive)
                 except HoldTimeout as e:
                     await hold_timeout(e).send(send)
                     return None
@@ -328,7 +332,7 @@ class Door:
         way through LiteLLM: both engines serve each of these APIs themselves."""
         for attempt in range(REPLAYS + 1):
             try:
-                target, replica = await self.api_target(checked.model, token)
+                target, replica = await self.api_target(checked.model, token, receive)
             except HoldTimeout as e:
                 await hold_timeout(e).send(send)
                 return
@@ -352,21 +356,23 @@ class Door:
             if self.wait_ready is None or left <= 0 or attempt == REPLAYS:
                 break
             try:
-                waited = await self.wait_ready(left, token)
+                waited = await unless_left(self.wait_ready(left, token), receive)
             except HoldTimeout:
                 break
             log(f"b70: {route_path(scope)}: the runtime went away before answering; sent "
                 f"again after {waited:.1f} s (attempt {attempt + 2} of {REPLAYS + 1})")  # fmt: skip
         await runtime_gone(self.clock() - arrived, self.hold_s).send(send)
 
-    async def api_target(self, model: str, token: str | None) -> tuple[direct.Target | None, bool]:
+    async def api_target(
+        self, model: str, token: str | None, receive: Receive
+    ) -> tuple[direct.Target | None, bool]:
         """Where a request for `model` goes, once the hold lets it through, and whether it is
         one of several replicas (the router's pick)."""
         target = self.direct_to(model) if self.direct_to is not None else None
         if target is None and self.replicas is not None:
             return await self.replicas.choose(model, token), True
         if self.hold is not None:
-            await self.hold(token)
+            await unless_left(self.hold(token), receive)
         return target, False
 
     def models_answer(self, scope: Scope, send: Send) -> Send:
@@ -496,6 +502,25 @@ async def _engine_now(checked: Checked) -> str | None:
     answer is a second old (a switch may have changed it), to name it in an error."""
     facts = await checked.backend.facts(fresh=True) if checked.backend is not None else None
     return facts.engine if facts is not None else None
+
+
+async def unless_left(wait: Awaitable[float], receive: Receive) -> float:
+    """A hold's wait, given up when the client leaves meanwhile (_Disconnected): its place
+    among the requests waiting is freed at once, not when the hold time runs out (the switch on
+    demand counts those places). The body was read: the client's next message says it left."""
+    waiting = asyncio.ensure_future(wait)
+    watch = asyncio.ensure_future(receive())
+    try:
+        await asyncio.wait((waiting, watch), return_when=asyncio.FIRST_COMPLETED)
+        if waiting.done():
+            return waiting.result()  # or its HoldTimeout
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        raise _Disconnected
+    finally:
+        watch.cancel()
+        waiting.cancel()
 
 
 class _Disconnected(Exception):

@@ -14,7 +14,15 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from appliance.hold import TICKET, HeldCounts, Mark, OpenRequests, read_mark, write_counts
+from appliance.hold import (
+    TICKET,
+    HeldCounts,
+    Mark,
+    OpenRequests,
+    read_mark,
+    read_refused,
+    write_counts,
+)
 from appliance.keys import same_secret
 from appliance.proxy.asgi import log
 
@@ -25,6 +33,7 @@ HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is as
 # request waits for a probe while the runtime serves. A runtime that died in that time fails the
 # request's connection, and the door holds it then (appliance.proxy.hook.wait_ready).
 HEALTH_STALE_S = 2.0
+NOT_HEALTHY = "the backend is not healthy"
 
 
 class HoldTimeout(Exception):
@@ -67,6 +76,7 @@ class Turnstile:
         self.probing: asyncio.Future[bool] | None = None  # the probe being asked, if one is
         self.counts = HeldCounts()
         self.counts_written = False
+        self.waiting: dict[object, float] = {}  # the requests waiting now: since (epoch s)
         self.open_requests = OpenRequests(state_dir, port)
         self.said: str | None = None  # the last problem written to the journal
 
@@ -95,7 +105,7 @@ class Turnstile:
         if now < self.healthy_until + HEALTH_STALE_S:
             return None  # healthy a moment ago: it goes on, and the answer comes for the next
         # shielded: a request that is cancelled (its client left) leaves the probe to the others
-        return None if await asyncio.shield(probing) else "the backend is not healthy"
+        return None if await asyncio.shield(probing) else NOT_HEALTHY
 
     async def healthy(self) -> bool:
         """Whether the runtime answers /health: the kept answer while it is fresh, else asked."""
@@ -129,6 +139,7 @@ class Turnstile:
         ticket = TICKET.get()
         start: float | None = None
         limit = self.hold_s if limit_s is None else min(limit_s, self.hold_s)
+        me = object()  # this request's place among those waiting
         try:
             while True:
                 if ticket is not None:
@@ -140,8 +151,17 @@ class Turnstile:
                     ticket.close()
                 if start is None:
                     start = self.clock()
+                    self.waiting[me] = time.time()
                     self._count(now=+1, total=+1)
                 waited = self.clock() - start
+                if why == NOT_HEALTHY and (refused := read_refused(self.state_dir, self.port)):
+                    # Its runtime failed to start on demand: a 503 now, not at the hold's end
+                    left = math.ceil(refused.until - time.time())
+                    self._count(timed_out=+1)
+                    raise HoldTimeout(
+                        f"{refused.runtime} failed to start on demand ({refused.why}); it is "
+                        f"not tried again for {left} s", waited, retry_after_s=max(1, left),
+                    )  # fmt: skip
                 if waited >= limit:
                     self._count(timed_out=+1)
                     raise HoldTimeout(
@@ -150,6 +170,7 @@ class Turnstile:
                 await self.sleep(min(POLL_S, limit - waited))
         finally:
             if start is not None:
+                self.waiting.pop(me, None)
                 self._count(now=-1)
 
     def _count(self, now: int = 0, total: int = 0, timed_out: int = 0) -> None:
@@ -157,7 +178,9 @@ class Turnstile:
         self.counts.total += total
         self.counts.timed_out += timed_out
         try:
-            write_counts(self.state_dir, self.counts, first=not self.counts_written)
+            oldest = min(self.waiting.values(), default=None)
+            first = not self.counts_written
+            write_counts(self.state_dir, self.counts, first, self.port, oldest)
             self.counts_written = True
         except OSError as e:
             # The counts are for the monitor: a request never fails because of them, but the

@@ -23,6 +23,7 @@ def switch(
     progress: Progress = no_progress,
     gate: bool = False,
     drain_s: float | None = None,
+    reason: str = "by hand",
 ) -> SwitchResult:
     """The switch, in the steps docs/switch.md numbers:
 
@@ -34,7 +35,7 @@ def switch(
     names = config.members(target_name)  # a replica set: its replicas, one card at a time
     clock = SystemClock()
     drain_for = config.proxy.drain_s if drain_s is None else drain_s
-    options = plans.Options(restart, gate, drain_for)
+    options = plans.Options(restart, gate, drain_for, reason)
     with (
         switch_lock(lay.state_dir, target_name) as lock,
         systemd.connect(scope) as sd,

@@ -115,6 +115,7 @@ class Switch:
         previous = ", ".join(plan.stopping) or (name if plan.already else None)
         edges = SystemEdges(config, self.lay, self.sd, self.lock, self.interrupts.progress)
         run = Executor(edges, clock, self.interrupts, name, previous, config.proxy.port, t0)
+        run.reason = (options or self.options).reason
         run.notes += notes
         run.phases["preflight"] = clock.monotonic() - t0
         return run.run(plan)
@@ -154,6 +155,7 @@ class Executor:
         self.stopping: tuple[str, ...] = ()  # the plan's: their requests are held too
         self.drain_ends: float | None = None  # when every drain's time is up
         self.unenabled: str | None = None  # why the verified target is not enabled for boot
+        self.reason = "by hand"  # why the switch was asked for (plans.Options.reason)
 
     def result(self, ok: bool, **fields: Any) -> SwitchResult:
         seconds = self.clock.monotonic() - self.t0
@@ -164,7 +166,8 @@ class Executor:
 
     def record(self, result: SwitchResult, interrupted: bool) -> str | None:
         """The switch's record in the history; why it could not be written, or None."""
-        return self.edges.record({**result.record(self.clock.time()), "interrupted": interrupted})
+        record = result.record(self.clock.time())
+        return self.edges.record({**record, "interrupted": interrupted, "reason": self.reason})
 
     def run(self, plan: plans.Plan) -> SwitchResult:
         self.stopping = plan.stopping

@@ -14,7 +14,7 @@ from typing import Any
 
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
-from appliance.hold import start_time
+from appliance.hold import read_mark, start_time
 from appliance.layout import KILLED_FILE, LOCK_FILE, NOTE_FILE
 
 LOCK_TRIES = 20
@@ -117,6 +117,26 @@ def try_lock(state_dir: Path) -> AbstractContextManager[bool]:
     """The switch lock for a short act of another writer (the monitor's restart): True while it
     is held; False at once if a switch holds it."""
     return _locked(state_dir, wait=False)
+
+
+def switch_running(state_dir: Path) -> bool:
+    """Whether a switch holds the lock (preflight) or the hold mark (drain, start, verify); the
+    lock is tested with a brief shared lock, which a switch that starts meanwhile waits out."""
+    return read_mark(state_dir) is not None or _lock_held(state_dir)
+
+
+def _lock_held(state_dir: Path) -> bool:
+    try:
+        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def waiting_trace(state_dir: Path) -> dict[str, Any] | None:

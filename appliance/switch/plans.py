@@ -46,6 +46,9 @@ class Options:
     restart: bool = False  # start the target again even when it serves
     gate: bool = False  # run the validity gates before the switch counts
     drain_s: float = 60.0  # how long the old runtime may take to finish what it answers
+    # Why: "by hand" (b70ctl switch), "failover" (the monitor), or the switch on demand's reason
+    # (appliance.switch.demand.policy): kept in the switch's record
+    reason: str = "by hand"
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,20 @@ from prometheus_client.registry import Collector
 
 from appliance import hold
 from appliance.config import Config
+from appliance.switch.demand.queues import demand_view
 from appliance.switch.records import read_history
 
 
-def switch_counts(state_dir: Path) -> tuple[int, int, dict[str, Any] | None]:
-    """Switches, failed switches, and the last switch's record, from the switch records."""
+def switch_counts(state_dir: Path) -> tuple[int, int, dict[str, Any] | None, dict[str, int]]:
+    """Switches, failed switches, the last switch's record, and the switches by why they were
+    made (records older than the reason are by hand), from the switch records."""
     records = read_history(state_dir)
     failed = sum(not r.get("ok") for r in records)
-    return len(records), failed, records[-1] if records else None
+    reasons: dict[str, int] = {}
+    for r in records:
+        reason = str(r.get("reason", "by hand"))
+        reasons[reason] = reasons.get(reason, 0) + 1
+    return len(records), failed, records[-1] if records else None, reasons
 
 
 class Exporter(Collector):
@@ -41,7 +47,7 @@ class Exporter(Collector):
     ) -> None:
         """One sample: every runtime observed (several serve side by side on their own cards),
         the monitor's counters `m`, and each runtime's own memory in `watched`."""
-        total, failed, last = switch_counts(state_dir)
+        total, failed, last, reasons = switch_counts(state_dir)
         self.snapshot = {
             "observed": [o for o in observed if o.runtime is not None],
             "m": m,
@@ -53,6 +59,8 @@ class Exporter(Collector):
             "switches_failed": failed,
             "last_switch": last,
             "held": hold.read_counts(state_dir),
+            "reasons": reasons,
+            "demand": demand_view(self.config, state_dir, last),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -62,6 +70,7 @@ class Exporter(Collector):
         yield from self._runtimes(s)
         yield from self._switches(s)
         yield from self._requests(s)
+        yield from self._demand(s)
         yield from self._vram(s)
 
     def _runtimes(self, s: dict[str, Any]) -> Iterator[Any]:
@@ -152,6 +161,48 @@ class Exporter(Collector):
             "Held requests answered 503 because the hold time ran out, since the proxy started",
             value=float(held.timed_out),
         )
+
+    def _demand(self, s: dict[str, Any]) -> Iterator[Any]:
+        """The switch on demand: its queues, why switches were made, the pin, refusals."""
+        d = s["demand"]
+        by_reason = CounterMetricFamily(
+            "b70_switches_by_reason",
+            "Switches recorded, by why: by hand, failover, demand, starving, idle return",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s["reasons"].items()):
+            by_reason.add_metric([reason], float(n))
+        yield by_reason
+        waiting = GaugeMetricFamily(
+            "b70_demand_waiting",
+            "Requests waiting at the proxy for a model, and the runtime that serves it",
+            labels=["model", "runtime"],
+        )
+        oldest = GaugeMetricFamily(
+            "b70_demand_oldest_wait_seconds",
+            "How long the oldest request waiting for a model has waited",
+            labels=["model", "runtime"],
+        )
+        for q in d["queues"]:
+            labels = [str(q["model"]), str(q["runtime"])]
+            waiting.add_metric(labels, float(q["waiting"]))
+            oldest.add_metric(labels, float(q["oldest_s"]))
+        yield waiting
+        yield oldest
+        pin = GaugeMetricFamily(
+            "b70_pin_seconds", "How long the pin on a runtime still holds", labels=["runtime"]
+        )
+        if d["pin"] is not None:
+            pin.add_metric([d["pin"]["runtime"]], float(d["pin"]["left_s"]))
+        yield pin
+        refused = GaugeMetricFamily(
+            "b70_demand_refused_seconds",
+            "How long a runtime that failed to start on demand is still not tried",
+            labels=["runtime"],
+        )
+        for r in d["refused"]:
+            refused.add_metric([str(r.get("runtime"))], float(r["left_s"]))
+        yield refused
 
     def _vram(self, s: dict[str, Any]) -> Iterator[Any]:
         total = GaugeMetricFamily("b70_vram_total_bytes", "GPU memory", labels=["device"])

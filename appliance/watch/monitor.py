@@ -10,9 +10,9 @@ Every decision is written to the monitor's record with its reason; `b70ctl statu
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -24,8 +24,8 @@ from appliance.errors import ApplianceError, from_exception
 from appliance.files import write_atomic
 from appliance.host import gpu, health, runtime_http
 from appliance.host.placement import excludes
-from appliance.layout import LOCK_FILE, MONITOR_RECORD, PROXY_UNIT, Layout, Scope, layout
-from appliance.switch.lock import try_lock
+from appliance.layout import MONITOR_RECORD, PROXY_UNIT, Layout, Scope, layout
+from appliance.switch.lock import switch_running, try_lock
 from appliance.switch.plans import Action, Memory, Observation, judge
 from appliance.switch.recovery import recover_killed_switch
 from appliance.units import runtimes, systemd
@@ -35,25 +35,6 @@ FAILOVER_BACKOFF_S = 60
 
 
 # --- the loop ----------------------------------------------------------------------------------
-
-
-def switch_running(state_dir: Path) -> bool:
-    """A switch holds the lock (preflight) or the hold mark (drain, start, verify)."""
-    return hold_mark.read_mark(state_dir) is not None or _lock_held(state_dir)
-
-
-def _lock_held(state_dir: Path) -> bool:
-    try:
-        fd = os.open(state_dir / LOCK_FILE, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def observe(config: Config, sd: systemd.Systemd, state_dir: Path) -> list[Observation]:
@@ -140,7 +121,7 @@ def act(
 
     m.failovers += 1
     try:
-        apply.switch(config, scope, action.runtime)
+        apply.switch(config, scope, action.runtime, reason="failover")
         m.last_action["result"] = f"{action.runtime} is serving"
     except ApplianceError as e:
         m.last_action["result"] = f"failover failed: {e.message}"
@@ -219,6 +200,8 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
         statuspage.serve(statuspage.Page(config, lay, exporter.registry), mon.host, mon.port)
         where = f"http://{mon.host}:{mon.port}"
         log(f"monitoring every {mon.interval_s:g} s; status page on {where}/, metrics on /metrics")
+    if not once and config.switching.on_demand:
+        _start_demand(config, scope, log)
     trouble: str | None = None  # what made the last sample fail, logged once while it lasts
     watched: dict[str, Memory] = {}  # each runtime's failures in a row, restarts, backoff
     while True:
@@ -240,6 +223,18 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
             if once:
                 return doc
         time.sleep(mon.interval_s)
+
+
+def _start_demand(config: Config, scope: Scope, log: Any) -> None:
+    """The switch on demand, beside the samples: its looks are twice a second, a sample's every
+    interval_s, and a swap it makes takes as long as a switch."""
+    from appliance.switch.demand.runner import Runner
+    from appliance.switch.interrupts import start_blocked
+
+    runner = Runner(config, scope, log)
+    start_blocked(threading.Thread(target=runner.run, name="on-demand", daemon=True))
+    s = config.switching
+    log(f"switching on demand (max_wait_s {s.max_wait_s:g}, stay_factor {s.stay_factor:g})")
 
 
 def sample(

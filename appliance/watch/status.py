@@ -10,6 +10,7 @@ from appliance.config import Config, Launcher
 from appliance.errors import ConfigError
 from appliance.host import health, placement, processes, runtime_http
 from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
+from appliance.switch.demand.queues import demand_view
 from appliance.switch.lock import waiting_trace
 from appliance.switch.records import last_switch
 from appliance.units import runtimes, systemd
@@ -29,6 +30,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
     proxy = health.probe(runtimes.proxy_url(config) + health.PROXY_HEALTH_PATH)
     foreign = backend_squatter(config, props)
     cards = cards_view(config)
+    last = last_switch(lay.state_dir)
     served = {
         rt.unit: {"port": rt.port, "model": rt.served_model_name, "apis": list(rt.apis)}
         for rt in config.runtimes.values()
@@ -51,7 +53,8 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
             "detail": proxy.detail,
         },
         "hold": hold_view(lay.state_dir),
-        "last_switch": last_switch(lay.state_dir),
+        "last_switch": last,
+        "demand": demand_view(config, lay.state_dir, last),
         # A switch that was killed: recovered by the next command that may write (a switch,
         # install, the monitor), not by status.
         "killed_switch": killed,

@@ -44,6 +44,7 @@ from appliance.config.values import WILDCARD_HOSTS, check_host
 from appliance.errors import ApplianceError
 from appliance.keys import same_secret
 from appliance.layout import Layout, Scope
+from appliance.switch.demand.queues import demand_view
 from appliance.switch.records import read_history
 from appliance.units import systemd
 from appliance.watch import samples, status
@@ -177,6 +178,7 @@ class Page:
         if serving:
             journal = systemd.journal_excerpt(self.lay.scope, serving[0], JOURNAL_LINES)
         counts = hold.read_counts(self.lay.state_dir)
+        history = read_history(self.lay.state_dir)
         with self.lock:
             job = asdict(self.job) if self.job else None
         return {
@@ -184,7 +186,10 @@ class Page:
             "model": self.config.proxy.model,
             "units": units,
             "samples": samples.read(self.lay.state_dir, since),
-            "switches": read_history(self.lay.state_dir)[-HISTORY_SHOWN:],
+            "switches": history[-HISTORY_SHOWN:],
+            "demand": demand_view(
+                self.config, self.lay.state_dir, history[-1] if history else None
+            ),
             "switching_to": (m.target if (m := hold.read_mark(self.lay.state_dir)) else None),
             "held_now": counts.now,
             "held_total": counts.total,

@@ -1,0 +1,229 @@
+"""Switching on demand, first-come-first-served against the appliance's policy, on one trace (run
+through scripts/bench-demand).
+
+The demo appliance under a private user manager, its llama.cpp serving `smollm2` and its vLLM
+serving `smollm2-vllm` on a port of its own, both on the one CPU "card", with `[switching]
+on_demand`. The trace, from a seed: for each model, Poisson arrivals (a mean gap per model), one
+arrival in ten a burst of 3 to 6 requests at once, for DURATION seconds. Each request is a
+streamed OpenAI SDK chat completion (16 tokens at most, temperature 0), sent at its time by a
+thread of its own; its latency runs from its send to its last chunk.
+
+The same trace is replayed under each policy, on a new appliance each time (llama.cpp serving
+at the start):
+- fcfs: `stay_factor = 0`, `batch = 1`: a request for the other runtime swaps as soon as the
+  requests in flight end (the switch's drain), which is how llama-swap and llama.cpp's router
+  behave;
+- policy: the appliance's defaults (`max_wait_s` 120, `stay_factor` 2, `batch` 8).
+Both hold a request up to 900 s (`[proxy] hold_s`); a request that gets an error is failed, a
+stream that ends without its finish reason is cut.
+
+Prints, per policy: the swaps (switch records made during the run), p50 and p95 latency per
+model, completion tokens per second over the run, failed and cut requests; and the ratio of
+swaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from b70tools.demo_appliance import Demo, demo_appliance
+from b70tools.net import free_port
+
+CACHE = os.environ.get("B70_CACHE", str(Path.home() / ".cache" / "b70"))
+MODELS = {"smollm2": "llamacpp", "smollm2-vllm": "vllm"}
+HOLD_S = 900
+POLICIES = {
+    "fcfs": "stay_factor = 0\nbatch = 1\nmax_wait_s = 600\n",
+    "policy": "",  # the defaults
+}
+
+
+def trace(seed: int, duration_s: float, gaps_s: dict[str, float]) -> list[tuple[float, str]]:
+    """(seconds from the start, model) of every request, in order."""
+    rng = random.Random(seed)
+    out: list[tuple[float, str]] = []
+    for model, gap in sorted(gaps_s.items()):
+        t = rng.expovariate(1 / gap)
+        while t < duration_s:
+            burst = rng.randint(3, 6) if rng.random() < 0.1 else 1
+            out += [(t, model)] * burst
+            t += rng.expovariate(1 / gap)
+    return sorted(out)
+
+
+@dataclass
+class Outcome:
+    model: str
+    sent: float
+    seconds: float | None = None
+    tokens: int = 0
+    error: str | None = None
+    cut: bool = False
+
+
+@dataclass
+class Run:
+    policy: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    swaps: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def one(client: Any, outcome: Outcome) -> None:
+    start = time.monotonic()
+    try:
+        stream = client.chat.completions.create(
+            model=outcome.model,
+            messages=[{"role": "user", "content": "Say hi in a few words."}],
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            timeout=HOLD_S + 120,
+        )
+        finished = False
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finished = True
+            if chunk.usage is not None:
+                outcome.tokens = chunk.usage.completion_tokens
+        outcome.cut = not finished
+    except Exception as e:  # every failure is counted and named
+        outcome.error = f"{type(e).__name__}: {e}"[:200]
+    outcome.seconds = time.monotonic() - start
+
+
+def configure(text: str, policy: str) -> str:
+    """The demo's config with vLLM under its own name and port, on demand, the hold raised."""
+    port = free_port()
+    text = text.replace("hold_s = 120", f"hold_s = {HOLD_S}")
+    text = text.replace(
+        '[runtimes.vllm]\nengine = "vllm"',
+        f'[runtimes.vllm]\nengine = "vllm"\nserved_model_name = "smollm2-vllm"\nport = {port}',
+    )
+    return text + "\n[switching]\non_demand = true\n" + POLICIES[policy]
+
+
+def history(demo: Demo) -> list[dict[str, Any]]:
+    path = Path(demo.env["XDG_STATE_HOME"]) / "b70" / "switches.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def replay(policy: str, requests: list[tuple[float, str]], log: Any) -> Run:
+    import openai
+
+    run = Run(policy)
+    edit = lambda text: configure(text, policy)  # noqa: E731
+    with demo_appliance(CACHE, prefix=f"b70-demand-{policy}.", rewrite=edit) as demo:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{demo.proxy_port}/v1", api_key=demo.key, max_retries=0
+        )
+        before = len(history(demo))
+        threads = []
+        t0 = time.monotonic()
+        for at, model in requests:
+            time.sleep(max(0.0, t0 + at - time.monotonic()))
+            outcome = Outcome(model, time.monotonic() - t0)
+            run.outcomes.append(outcome)
+            thread = threading.Thread(target=one, args=(client, outcome), daemon=True)
+            thread.start()
+            threads.append(thread)
+        for thread in threads:
+            thread.join()
+        run.wall_s = time.monotonic() - t0
+        run.swaps = history(demo)[before:]
+        log(f"{policy}: {len(requests)} requests in {run.wall_s:.0f} s, {len(run.swaps)} swaps")
+    return run
+
+
+def percentile(values: list[float], q: int) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def summary(run: Run) -> dict[str, Any]:
+    per_model = {}
+    for model in MODELS:
+        mine = [o for o in run.outcomes if o.model == model]
+        ok = [o.seconds for o in mine if o.error is None and o.seconds is not None]
+        per_model[model] = {
+            "requests": len(mine),
+            "p50_s": percentile(ok, 50),
+            "p95_s": percentile(ok, 95),
+        }
+    tokens = sum(o.tokens for o in run.outcomes)
+    return {
+        "policy": run.policy,
+        "swaps": len(run.swaps),
+        "swap_reasons": sorted({str(s.get("reason")) for s in run.swaps}),
+        "models": per_model,
+        "tokens_per_s": tokens / run.wall_s if run.wall_s else None,
+        "failed": sum(o.error is not None for o in run.outcomes),
+        "cut": sum(o.cut and o.error is None for o in run.outcomes),
+        "errors": sorted({o.error for o in run.outcomes if o.error})[:3],
+        "wall_s": run.wall_s,
+    }
+
+
+def show(figures: list[dict[str, Any]]) -> str:
+    def s(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f} s"
+
+    lines = [f"{'policy':<8} {'swaps':>5}  " + "  ".join(
+        f"{m + ' p50':>18} {m + ' p95':>18}" for m in MODELS
+    ) + f"  {'tok/s':>6} {'failed':>6} {'cut':>4}"]  # fmt: skip
+    for f in figures:
+        cells = "  ".join(
+            f"{s(f['models'][m]['p50_s']):>18} {s(f['models'][m]['p95_s']):>18}" for m in MODELS
+        )
+        tps = f"{f['tokens_per_s']:.2f}" if f["tokens_per_s"] is not None else "-"
+        lines.append(
+            f"{f['policy']:<8} {f['swaps']:>5}  {cells}  {tps:>6} {f['failed']:>6} {f['cut']:>4}"
+        )
+    by = {f["policy"]: f for f in figures}
+    if "fcfs" in by and "policy" in by and by["policy"]["swaps"]:
+        lines.append(
+            f"fcfs swaps / policy swaps: {by['fcfs']['swaps'] / by['policy']['swaps']:.1f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
+    parser.add_argument("--gap-llamacpp", type=float, default=6.0, help="mean seconds between")
+    parser.add_argument("--gap-vllm", type=float, default=10.0, help="mean seconds between")
+    parser.add_argument("--policies", default="fcfs,policy")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    gaps = {"smollm2": args.gap_llamacpp, "smollm2-vllm": args.gap_vllm}
+    requests = trace(args.seed, args.duration, gaps)
+    counts = {m: sum(1 for _, x in requests if x == m) for m in MODELS}
+    print(
+        f"seed {args.seed}: {len(requests)} requests over {args.duration:g} s, {counts}", flush=True
+    )
+    figures = []
+    for policy in args.policies.split(","):
+        figures.append(summary(replay(policy, requests, lambda m: print(m, flush=True))))
+    print(show(figures))
+    if args.json:
+        args.json.write_text(json.dumps({"seed": args.seed, "figures": figures}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

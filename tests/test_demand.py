@@ -1,0 +1,238 @@
+"""Switching on demand, without systemd: the proxy's queues per runtime port and the refusal of
+a runtime that failed to start (appliance.hold, appliance.proxy.waiting), the pin, and the
+monitor's runner deciding from what it observed and applying through a switch that records its
+calls. The same runner switches a real appliance in tests/test_demand_real.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance import hold
+from appliance.config import parse
+from appliance.errors import ApplianceError
+from appliance.layout import Scope, layout
+from appliance.proxy import waiting
+from appliance.switch.demand import pins, queues
+from appliance.switch.demand.runner import Runner
+from tests.configs import TWO_NAMES
+from tests.test_proxy_hold import Backend, Clock
+
+ON_DEMAND = TWO_NAMES + "\n[switching]\non_demand = true\nbatch = 4\n"
+LLAMA, VLLM = 8001, 8002  # the ports of TWO_NAMES' runtimes
+
+
+def test_requests_waiting_for_a_runtime_that_does_not_serve_are_its_queue(tmp_path: Path) -> None:
+    clock = Clock()
+    down = waiting.Turnstile(tmp_path, Backend(healthy=False), 300, clock, clock.sleep, VLLM)
+
+    async def scenario() -> None:
+        waiters = [asyncio.create_task(down.wait()) for _ in range(3)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        got = hold.read_queues(tmp_path)
+        assert list(got) == [VLLM] and got[VLLM].count == 3
+        assert time.time() - 5 < got[VLLM].oldest <= time.time()
+        waiters[0].cancel()  # a client that leaves leaves the queue
+        await asyncio.sleep(0)
+        assert hold.read_queues(tmp_path)[VLLM].count == 2
+        for w in waiters[1:]:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert hold.read_queues(tmp_path) == {}
+    assert hold.read_counts(tmp_path).total == 3
+
+
+def test_a_refused_runtime_gets_its_queue_a_503_naming_it_at_once(tmp_path: Path) -> None:
+    clock = Clock()
+    down = waiting.Turnstile(tmp_path, Backend(healthy=False), 300, clock, clock.sleep, VLLM)
+    why = "vllm did not become healthy within 300 s"
+    refused = {"runtime": "vllm", "until": time.time() + 42, "why": why}
+    hold.write_demand(tmp_path, {"refused": {str(VLLM): refused}})
+    with pytest.raises(waiting.HoldTimeout) as e:
+        asyncio.run(down.wait())
+    assert e.value.why.startswith(f"vllm failed to start on demand ({why}); it is not tried")
+    assert 40 <= e.value.retry_after_s <= 42 and e.value.waited_s < 1
+    # Another port, and the same port once the refusal ends, wait as before
+    assert hold.read_refused(tmp_path, LLAMA) is None
+    assert hold.read_refused(tmp_path, VLLM, now=time.time() + 43) is None
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90", 90), ("90s", 90), ("30m", 1800), ("2h", 7200), ("1.5d", 129600)]
+)
+def test_a_pin_takes_a_duration(text: str, seconds: float) -> None:
+    assert pins.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5m", "2w", "1h30m", "31d", "nan", "1e9"])
+def test_a_pin_refuses_what_is_not_a_duration(text: str) -> None:
+    with pytest.raises(ApplianceError, match="is not a duration") as e:
+        pins.parse_duration(text)
+    assert "--pin 30m" in str(e.value.hint)
+
+
+def test_a_pin_holds_until_it_ends_or_is_cleared(tmp_path: Path) -> None:
+    pin = pins.write_pin(tmp_path, "vllm", 60)
+    assert pins.read_pin(tmp_path) == pin and 59 < pin.left_s(time.time()) <= 60
+    assert pins.read_pin(tmp_path, now=pin.until + 1) is None
+    assert pins.clear_pin(tmp_path) == pin and pins.read_pin(tmp_path) is None
+    (tmp_path / pins.PIN_FILE).write_text("{not json")
+    assert pins.read_pin(tmp_path) is None
+
+
+class Recorder:
+    """apply.switch as the runner calls it: each call recorded; fails for the names in `fail`."""
+
+    def __init__(self, fail: tuple[str, ...] = ()) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.fail = fail
+
+    def __call__(self, config: Any, scope: Any, name: str, reason: str = "") -> Any:
+        self.calls.append((name, reason))
+        if name in self.fail:
+            raise ApplianceError(f"{name} did not become healthy\nits journal: ...")
+        return type("Result", (), {"ok": True})()
+
+
+@pytest.fixture
+def runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Runner:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    config = parse(ON_DEMAND, tmp_path / "appliance.toml")
+    lines: list[str] = []
+    r = Runner(config, Scope.USER, lines.append, switch=Recorder(), clock=lambda: 10_000.0)
+    r.lines = lines  # type: ignore[attr-defined]
+    return r
+
+
+def queue(count: int, waited_s: float) -> hold.Queue:
+    return hold.Queue(count, 10_000.0 - waited_s)
+
+
+def test_a_request_for_the_other_model_swaps_once_the_runtime_has_served_its_stay(
+    runner: Runner,
+) -> None:
+    vllm_waits = {VLLM: queue(1, 5)}
+    # llama.cpp swapped in 15 s ago (its switch takes 10 s by default: it stays 20 s)
+    came_in = [{"to": "llamacpp", "ok": True, "seconds": 10.0, "at": 10_000.0 - 15}]
+    assert runner.plan(["llamacpp"], vllm_waits, {}, None, came_in) is None
+    assert runner.decision is not None and runner.decision.reason == "stays after its swap in"
+    came_in[0]["at"] = 10_000.0 - 25
+    decision = runner.plan(["llamacpp"], vllm_waits, {}, None, came_in)
+    assert decision is not None and (decision.target, decision.reason) == ("vllm", "demand")
+
+
+def test_a_busy_runtime_stays_for_one_request_and_swaps_for_a_batch(runner: Runner) -> None:
+    long_ago = [{"to": "llamacpp", "ok": True, "seconds": 5.0, "at": 0.0}]
+    busy = {"llamacpp": 2}
+    assert runner.plan(["llamacpp"], {VLLM: queue(1, 5)}, busy, None, long_ago) is None
+    decision = runner.plan(["llamacpp"], {VLLM: queue(4, 5)}, busy, None, long_ago)
+    assert decision is not None and decision.target == "vllm"
+
+
+def test_a_pin_holds_off_demand_and_a_starving_request_goes_first_without_one(
+    runner: Runner,
+) -> None:
+    long_ago = [{"to": "llamacpp", "ok": True, "seconds": 5.0, "at": 0.0}]
+    pin = pins.Pin("llamacpp", 10_000.0 + 600)
+    starving = {VLLM: queue(1, 130)}
+    assert runner.plan(["llamacpp"], starving, {"llamacpp": 1}, pin, long_ago) is None
+    assert runner.decision is not None and runner.decision.reason == "pinned"
+    decision = runner.plan(["llamacpp"], starving, {"llamacpp": 1}, None, long_ago)
+    assert decision is not None and (decision.target, decision.reason) == ("vllm", "starving")
+
+
+def test_requests_for_the_serving_runtime_are_no_demand(runner: Runner) -> None:
+    assert runner.plan(["llamacpp"], {LLAMA: queue(9, 200)}, {}, None, []) is None
+
+
+def test_nothing_serving_starts_what_is_asked_for_at_once(runner: Runner) -> None:
+    decision = runner.plan([], {VLLM: queue(1, 0)}, {}, None, [])
+    assert decision is not None and decision.target == "vllm"
+
+
+def test_a_failed_start_is_refused_for_the_backoff_not_tried_in_a_loop(runner: Runner) -> None:
+    runner.switch = Recorder(fail=("vllm",))
+    decision = runner.plan([], {VLLM: queue(3, 1)}, {}, None, [])
+    assert decision is not None
+    runner.apply(decision)
+    state_dir = layout(Scope.USER).state_dir
+    refused = hold.read_refused(state_dir, VLLM, now=10_000.0)
+    assert refused is not None and refused.runtime == "vllm"
+    assert refused.why == "vllm did not become healthy" and refused.until == 10_060.0
+    assert any("not tried again for 60 s" in line for line in runner.lines)  # type: ignore[attr-defined]
+    # The queue is still there (its requests get their 503 from the proxy): no second try
+    assert runner.plan([], {VLLM: queue(3, 2)}, {}, None, []) is None
+    assert runner.switch.calls == [("vllm", "demand")]  # type: ignore[attr-defined]
+
+
+def test_a_switch_by_someone_else_meanwhile_is_not_a_failure(runner: Runner) -> None:
+    def busy(*args: Any, **kwargs: Any) -> Any:
+        raise ApplianceError("another switch is running", code="switch_in_progress")
+
+    runner.switch = busy
+    decision = runner.plan([], {VLLM: queue(1, 1)}, {}, None, [])
+    assert decision is not None
+    runner.apply(decision)
+    assert hold.read_refused(layout(Scope.USER).state_dir, VLLM, now=10_000.0) is None
+
+
+def test_an_idle_card_returns_to_the_default_runtime_when_asked_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    config = parse(ON_DEMAND + "idle_return_s = 300\n", tmp_path / "appliance.toml")
+    now = [10_000.0]
+    r = Runner(config, Scope.USER, print, switch=Recorder(), clock=lambda: now[0])
+    came_in = [{"to": "vllm", "ok": True, "seconds": 50.0, "at": 0.0}]
+    assert r.plan(["vllm"], {}, {"vllm": 1}, None, came_in) is None  # busy now
+    now[0] += 299
+    assert r.plan(["vllm"], {}, {}, None, came_in) is None
+    now[0] += 2
+    decision = r.plan(["vllm"], {}, {}, None, came_in)
+    assert decision is not None and (decision.target, decision.reason) == (
+        "llamacpp",
+        "idle return",
+    )
+
+
+def test_status_shows_the_queues_by_model_the_pin_and_refusals(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = parse(ON_DEMAND, tmp_path / "appliance.toml")
+    clock = Clock()
+    down = waiting.Turnstile(tmp_path, Backend(healthy=False), 300, clock, clock.sleep, VLLM)
+    pins.write_pin(tmp_path, "llamacpp", 600)
+    refused = {"runtime": "vllm", "until": time.time() + 30, "why": "it hung"}
+    hold.write_demand(tmp_path, {"refused": {str(VLLM): refused}, "decision": None})
+
+    async def scenario() -> dict[str, Any]:
+        hold.write_demand(tmp_path, {"refused": {}, "decision": {"reason": "pinned"}})
+        waiter = asyncio.create_task(down.wait())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        view = queues.demand_view(config, tmp_path, {"to": "llamacpp", "reason": "demand"})
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        return view
+
+    view = asyncio.run(scenario())
+    assert view["queues"] == [
+        {"model": "big", "port": VLLM, "runtime": "vllm", "waiting": 1, "oldest_s": 0.0}
+    ]
+    assert view["pin"]["runtime"] == "llamacpp" and 599 < view["pin"]["left_s"] <= 600
+    assert view["decision"] == {"reason": "pinned"} and view["last_reason"] == "demand"
+    hold.write_demand(tmp_path, {"refused": {str(VLLM): refused}})
+    view = queues.demand_view(config, tmp_path, None)
+    assert [r["runtime"] for r in view["refused"]] == ["vllm"] and view["queues"] == []
+    from appliance.cli.output import _demand_lines
+
+    text = "\n".join(_demand_lines(view))
+    assert "on demand  yes" in text and "pin       llamacpp until" in text
+    assert "refused   vllm for 30 s more: it failed to start on demand: it hung" in text
