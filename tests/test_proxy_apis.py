@@ -362,7 +362,52 @@ def test_the_mend_changes_no_field_the_runtime_gave() -> None:
     assert mend.faithful, "a stream whose first event is OpenAI's whole passes on unparsed"
     assert mend.feed(b"data: {not json\n\n") == b"data: {not json\n\n"
     assert streams.mend_for("responses", False) is None
-    assert streams.mend_for("messages", True) is None
+    assert streams.mend_for("messages", False) is None
+
+
+def anthropic_stream(body: bytes) -> Any:
+    """The Anthropic SDK's messages.stream() reading `body` as the server's answer."""
+    import anthropic  # here: importing it takes most of a second, in every worker
+    import httpx2  # the Anthropic SDK's own HTTP client (a fork of httpx)
+
+    headers = {"content-type": "text/event-stream"}
+    answer = lambda _: httpx2.Response(200, headers=headers, content=body)  # noqa: E731
+    client = anthropic.Anthropic(
+        base_url="http://x",
+        api_key="x",
+        http_client=httpx2.Client(transport=httpx2.MockTransport(answer)),
+    )
+    with client.messages.stream(
+        model="smollm2", max_tokens=16, messages=[{"role": "user", "content": "hi"}]
+    ) as stream:
+        text = "".join(stream.text_stream)
+        return text, stream.get_final_message()
+
+
+def test_a_messages_stream_without_its_message_start_gets_one_for_the_anthropic_sdk() -> None:
+    raw = (FIXTURES / "llama-server-messages-no-start.sse").read_bytes()  # build 11434
+    assert not raw.startswith(b"event: message_start")
+    with pytest.raises(AssertionError):
+        anthropic_stream(raw)
+    for size in (3, 97, len(raw)):  # however the runtime's writes cut it
+        mend = streams.mend_for("messages", True, "smollm2")
+        assert mend is not None
+        out = b"".join(mend.feed(raw[i : i + size]) for i in range(0, len(raw), size)) + mend.end()
+        assert out.startswith(b"event: message_start") and out.endswith(raw)
+        text, final = anthropic_stream(out)
+        assert text and final.content[0].text == text and final.model == "smollm2"
+        assert final.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_a_whole_messages_stream_passes_as_it_comes() -> None:
+    raw = (FIXTURES / "llama-server-messages.sse").read_bytes()
+    assert raw.startswith(b"event: message_start")
+    mend = streams.mend_for("messages", True, "smollm2")
+    assert mend is not None
+    assert b"".join(mend.feed(raw[i : i + 50]) for i in range(0, len(raw), 50)) + mend.end() == raw
+    error = b'event: error\ndata: {"type": "error", "error": {"type": "x", "message": "y"}}\n\n'
+    mend = streams.MessagesMend("smollm2")
+    assert mend.feed(error) == error
 
 
 # --- the model list --------------------------------------------------------------------------------

@@ -137,6 +137,8 @@ def test_the_page_reads_the_runtime_switches_live_and_charts_the_samples(page: P
         b.screenshot(ARTIFACTS / "status-page-after.png")
         row = b.evaluate("document.querySelector('#switches tr.switch').textContent")
         assert "llamacpp → vllm" in row and "ok" in row
+        why = "document.querySelector('#switches tr.switch [data-reason]').dataset.reason"
+        assert b.evaluate(why) == "by hand"  # the page's button is a switch by hand
 
 
 def test_a_switch_from_another_site_is_refused(page: Page) -> None:

@@ -341,7 +341,7 @@ class Door:
                                  "model on this route").send(send)  # fmt: skip
                 return
             body = direct.as_served(checked.body, checked.model, target)
-            mend = streams.mend_for(checked.kind, checked.streams)
+            mend = streams.mend_for(checked.kind, checked.streams, checked.model)
             call = direct.Call(target, checked.kind, body, mend=mend)
             await self.direct_app({**scope, call.SCOPE_KEY: call}, receive, send)
             if call.way == direct.ANSWERED:

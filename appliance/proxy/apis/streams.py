@@ -16,7 +16,15 @@ The SDK raised `TypeError: list indices must be integers or slices, not NoneType
 adds each missing field, counting the items and parts as they come; a field the runtime gives is
 never changed, and the events keep their order, their text and their timing (each is passed on
 as soon as it is whole). vLLM's Responses stream, which has them, passes as it comes (the mend
-knows it by its first event); the Messages streams of both engines are not touched.
+knows it by its first event).
+
+llama-server's Messages stream (build 11434) now and then begins without its `message_start`,
+with the `content_block_start` that should follow it: 3 of 19 streams in a row, three clients at
+once, straight to the runtime on the demo. Without it the Anthropic SDK's `messages.stream()`
+has no message to put the content in and raised a bare AssertionError from
+`get_final_message()`. That mend looks at the first event only: a `message_start` (and an
+`error`) passes with all that follows as it comes; any other event gets a `message_start` before
+it, with the model the request named and the usage the runtime did not say (0 tokens).
 
 Imported by the proxy: nothing from the rest of the controller but appliance.proxy's own.
 """
@@ -24,16 +32,17 @@ Imported by the proxy: nothing from the rest of the controller but appliance.pro
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
-from appliance.proxy.apis import RESPONSES
+from appliance.proxy.apis import MESSAGES, RESPONSES
 from appliance.proxy.direct import Mend
 
 MAX_EVENT_BYTES = 8 << 20  # one event held whole before it is passed on unmended
 
 
-def mend_for(kind: str, streams: bool) -> Mend | None:
+def mend_for(kind: str, streams: bool, model: str = "") -> Mend | None:
     """What a streamed answer of `kind` passes through; None: it goes as the runtime sends it.
     Which runtime answers is not known for sure before it answers (the door's facts about the
     runtime may be from before a switch), so every Responses stream gets the mend, and the mend
@@ -41,6 +50,8 @@ def mend_for(kind: str, streams: bool) -> Mend | None:
     `sequence_number` (vLLM's) passes on as it comes, unparsed."""
     if kind == RESPONSES and streams:
         return ResponsesMend()
+    if kind == MESSAGES and streams:
+        return MessagesMend(model)
     return None
 
 
@@ -141,3 +152,55 @@ class ResponsesMend:
                 data.setdefault("content_index", max(self.parts.get(item_id, 1) - 1, 0))
             if kind in ("response.output_text.delta", "response.output_text.done"):
                 data.setdefault("logprobs", [])
+
+
+class MessagesMend:
+    """A Messages stream with its `message_start` first, which llama-server sometimes leaves
+    out (see the module); a stream that has it passes as it comes, unparsed."""
+
+    FIRST = (b"message_start", b"error")
+
+    def __init__(self, model: str) -> None:
+        self.events = Events()
+        self.model = model
+        self.looked = False  # the first event was seen: the rest passes as it comes
+
+    def feed(self, data: bytes) -> bytes:
+        if self.looked:
+            return data
+        events = self.events.feed(data)
+        if not events:
+            if len(self.events.pending) > MAX_EVENT_BYTES:  # not a stream this mend knows
+                self.looked = True
+                return self.events.rest()
+            return b""
+        self.looked = True
+        start = b"" if _kind(events[0]) in self.FIRST else self.start()
+        return start + b"".join(events) + self.events.rest()
+
+    def end(self) -> bytes:
+        return self.events.rest()
+
+    def start(self) -> bytes:
+        message: dict[str, Any] = {
+            "id": "msg_" + os.urandom(12).hex(), "type": "message", "role": "assistant",
+            "model": self.model, "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": 0, "output_tokens": 0},
+        }  # fmt: skip
+        data = json.dumps({"type": "message_start", "message": message}).encode()
+        return b"event: message_start\ndata: " + data + b"\n\n"
+
+
+def _kind(event: bytes) -> bytes:
+    """An event's name: its `event:` line, else its data's `type`."""
+    for line in event.splitlines():
+        if line.startswith(b"event:"):
+            return line[6:].strip()
+        if line.startswith(b"data:"):
+            try:
+                data = json.loads(line[5:])
+            except ValueError:
+                return b""
+            kind = data.get("type") if isinstance(data, dict) else None
+            return kind.encode() if isinstance(kind, str) else b""
+    return b""
