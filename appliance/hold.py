@@ -5,9 +5,12 @@ removes it once the new one is verified (or the old one is back). The mark names
 process; a mark whose process is gone (a killed switch) holds nothing. It also carries a token:
 the switch's own requests through the proxy (verify, gates) send it and pass the hold.
 
-The proxy's workers count the requests they hold in one small file each, for the monitor, and
-the requests they let through and have not answered in a shared one, for the switch's drain.
-This module is imported by the proxy, so it stays free of the rest of the controller.
+The proxy's workers count the requests they hold in one small file per worker and runtime port,
+with since when the oldest waits: the monitor's figures, and the queues that the switch on
+demand reads (`read_queues`). The requests they let through and have not answered go in a
+shared one, for the switch's drain. The switch on demand writes back which runtimes failed to
+start (`read_refused`): their requests get a 503 at once. This module is imported by the proxy,
+so it stays free of the rest of the controller.
 """
 
 from __future__ import annotations
