@@ -253,8 +253,12 @@ class Runner:
                             self.log("on demand: looks succeed again")
                             trouble = None
                         time.sleep(LOOK_S)
-            except (ApplianceError, OSError) as e:
-                problem = str(from_exception(e).message)
+            except Exception as e:  # the thread must outlive any one look: said, not raised
+                problem = (
+                    str(from_exception(e).message)
+                    if isinstance(e, ApplianceError | OSError)
+                    else f"{type(e).__name__}: {e}"
+                )
                 if problem != trouble:
                     self.log(f"on demand: this look failed: {problem}; looking again")
                 trouble = problem
