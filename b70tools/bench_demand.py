@@ -19,7 +19,8 @@ stream that ends without its finish reason is cut.
 
 Prints, per policy: the swaps (switch records made during the run), p50 and p95 latency per
 model, completion tokens per second over the run, failed and cut requests; and the ratio of
-swaps.
+swaps. `--trace FILE` replays a trace of one's own instead (JSON lines, `--write-trace` writes
+a seed's in that form).
 """
 
 from __future__ import annotations
@@ -202,27 +203,57 @@ def show(figures: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def read_trace(path: Path) -> list[tuple[float, str]]:
+    """A trace of one's own: JSON lines of {"at": seconds from the start, "model": NAME}, NAME a
+    model the demo serves (smollm2, smollm2-vllm) or the runtime that serves it (llamacpp, vllm).
+    A line that is not such an entry stops the bench with its number."""
+    by_runtime = {runtime: model for model, runtime in MODELS.items()}
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+            at, model = float(entry["at"]), str(entry["model"])
+        except (ValueError, KeyError, TypeError):
+            raise SystemExit(f"{path}:{number}: not a line of a trace: {line[:80]!r}") from None
+        model = by_runtime.get(model, model)
+        if model not in MODELS or not 0 <= at < 86400:
+            raise SystemExit(f"{path}:{number}: a model of {sorted(MODELS)} at 0 s or later")
+        out.append((at, model))
+    return sorted(out)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
     parser.add_argument("--gap-llamacpp", type=float, default=6.0, help="mean seconds between")
     parser.add_argument("--gap-vllm", type=float, default=10.0, help="mean seconds between")
+    parser.add_argument("--trace", type=Path, help="replay this trace (JSON lines), not a seed's")
+    parser.add_argument("--write-trace", type=Path, help="write the trace here (JSON lines)")
     parser.add_argument("--policies", default="fcfs,policy")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     gaps = {"smollm2": args.gap_llamacpp, "smollm2-vllm": args.gap_vllm}
-    requests = trace(args.seed, args.duration, gaps)
+    requests = read_trace(args.trace) if args.trace else trace(args.seed, args.duration, gaps)
+    if args.write_trace:
+        lines = [json.dumps({"at": round(at, 3), "model": model}) for at, model in requests]
+        args.write_trace.write_text("".join(line + "\n" for line in lines))
     counts = {m: sum(1 for _, x in requests if x == m) for m in MODELS}
-    print(
-        f"seed {args.seed}: {len(requests)} requests over {args.duration:g} s, {counts}", flush=True
-    )
+    name = str(args.trace) if args.trace else f"seed {args.seed}"
+    span = requests[-1][0] if requests else 0.0
+    print(f"{name}: {len(requests)} requests over {span:.0f} s, {counts}", flush=True)
+    policies = args.policies.split(",")
+    for policy in policies:
+        if policy not in POLICIES:
+            raise SystemExit(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
     figures = []
-    for policy in args.policies.split(","):
+    for policy in policies:
         figures.append(summary(replay(policy, requests, lambda m: print(m, flush=True))))
     print(show(figures))
     if args.json:
-        args.json.write_text(json.dumps({"seed": args.seed, "figures": figures}, indent=1))
+        args.json.write_text(json.dumps({"trace": name, "figures": figures}, indent=1))
 
 
 if __name__ == "__main__":
