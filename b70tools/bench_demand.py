@@ -10,9 +10,10 @@ thread of its own; its latency runs from its send to its last chunk.
 
 The same trace is replayed under each policy, on a new appliance each time (llama.cpp serving
 at the start):
-- fcfs: `stay_factor = 0`, `batch = 1`: a request for the other runtime swaps as soon as the
-  requests in flight end (the switch's drain), which is how llama-swap and llama.cpp's router
-  behave;
+- fcfs: `[switching] fcfs = true`, strict first come, first served: a request for the other
+  runtime swaps as soon as the requests in flight end (the switch's drain), and the requests
+  that came after it wait for their turn, whichever model they ask for; which is how llama-swap
+  and llama.cpp's router behave;
 - policy: the appliance's defaults (`max_wait_s` 120, `stay_factor` 2, `batch` 8).
 Both hold a request up to 900 s (`[proxy] hold_s`); a request that gets an error is failed, a
 stream that ends without its finish reason is cut.
@@ -43,7 +44,7 @@ CACHE = os.environ.get("B70_CACHE", str(Path.home() / ".cache" / "b70"))
 MODELS = {"smollm2": "llamacpp", "smollm2-vllm": "vllm"}
 HOLD_S = 900
 POLICIES = {
-    "fcfs": "stay_factor = 0\nbatch = 1\nmax_wait_s = 600\n",
+    "fcfs": "fcfs = true\n",
     "policy": "",  # the defaults
 }
 

@@ -14,7 +14,7 @@ import pytest
 
 from appliance import hold
 from appliance.config import parse
-from appliance.errors import ApplianceError
+from appliance.errors import ApplianceError, ConfigError
 from appliance.layout import Scope, layout
 from appliance.proxy import waiting
 from appliance.switch.demand import pins, queues
@@ -62,6 +62,46 @@ def test_a_refused_runtime_gets_its_queue_a_503_naming_it_at_once(tmp_path: Path
     # Another port, and the same port once the refusal ends, wait as before
     assert hold.read_refused(tmp_path, LLAMA) is None
     assert hold.read_refused(tmp_path, VLLM, now=time.time() + 43) is None
+
+
+def test_first_come_first_served_keeps_a_newer_request_behind_an_older_one_for_another_model(
+    tmp_path: Path,
+) -> None:
+    clock = Clock()
+    down = waiting.Turnstile(tmp_path, Backend(healthy=False), 300, clock, clock.sleep, VLLM)
+    serving = waiting.Turnstile(tmp_path, Backend(), 300, clock, clock.sleep, LLAMA)
+
+    async def scenario(fcfs: bool) -> str | None:
+        hold.write_demand(tmp_path, {"fcfs": fcfs, "refused": {}})
+        serving.order_read = -1e9  # read the order again now
+        older = asyncio.create_task(down.wait())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        why = await serving.blocked(None, arrived=time.time())
+        before = await serving.blocked(None, arrived=time.time() - 60)  # came before it
+        assert before is None
+        older.cancel()
+        await asyncio.gather(older, return_exceptions=True)
+        assert await serving.blocked(None, arrived=time.time()) is None  # it left
+        return why
+
+    assert asyncio.run(scenario(fcfs=True)) == waiting.BEHIND
+    assert asyncio.run(scenario(fcfs=False)) is None  # the policy: no order across models
+
+
+def test_first_come_first_served_swaps_at_once_and_needs_on_demand(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    config = parse(ON_DEMAND + "fcfs = true\n", tmp_path / "appliance.toml")
+    r = Runner(config, Scope.USER, print, switch=Recorder(), clock=lambda: 10_000.0)
+    just_in = [{"to": "llamacpp", "ok": True, "seconds": 10.0, "at": 10_000.0 - 1}]
+    decision = r.plan(["llamacpp"], {VLLM: queue(1, 0)}, {"llamacpp": 2}, None, just_in)
+    assert decision is not None and decision.target == "vllm"  # no stay, no batch
+    r.save()
+    assert hold.read_demand(layout(Scope.USER).state_dir)["fcfs"] is True
+    with pytest.raises(ConfigError, match=r"switching\.fcfs: is the order of switching on demand"):
+        parse(TWO_NAMES + "\n[switching]\nfcfs = true\n", tmp_path / "appliance.toml")
 
 
 @pytest.mark.parametrize(

@@ -154,7 +154,8 @@ def _demand_lines(d: dict[str, Any] | None) -> list[str]:
     lines = []
     if d["on_demand"]:
         why = d.get("decision") or {}
-        lines.append(f"on demand  yes{'; ' + why['reason'] if why.get('reason') else ''}")
+        order = " (first come, first served)" if d.get("fcfs") else ""
+        lines.append(f"on demand  yes{order}{'; ' + why['reason'] if why.get('reason') else ''}")
     for q in d["queues"]:
         lines.append(
             f"  queue     {q['waiting']} for {q['model']} ({q['runtime']}), "

@@ -130,6 +130,9 @@ class SwitchingConfig:
     batch: int = 8  # requests waiting for another runtime that are worth draining a busy one
     idle_return_s: float | None = None  # back to default_runtime after this long with no request
     backoff_s: float = 60.0  # a runtime that failed to start on demand is not tried for this long
+    # Strict first come, first served instead of the policy (how llama-swap serves): a request
+    # for another runtime swaps as soon as those in flight end, and the requests behind it wait.
+    fcfs: bool = False
 
 
 @dataclass(frozen=True)

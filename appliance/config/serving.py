@@ -93,6 +93,7 @@ class ServingKeys(Walker):
     ) -> SwitchingConfig:
         p = "switching."
         keys = {"on_demand", "max_wait_s", "stay_factor", "batch", "idle_return_s", "backoff_s"}
+        keys.add("fcfs")
         self.known(t, p, keys)
         idle = self.get(t, "idle_return_s", p, float, 0.0, check_range(0, DAY_S))
         out = SwitchingConfig(
@@ -102,7 +103,12 @@ class ServingKeys(Walker):
             batch=self.get(t, "batch", p, int, 8, check_range(1, 100_000)),
             idle_return_s=idle or None,
             backoff_s=self.get(t, "backoff_s", p, float, 60.0, check_range(0, HOUR_S)),
+            fcfs=self.get(t, "fcfs", p, bool, False),
         )
+        if out.fcfs and not out.on_demand:
+            raise self.fail(
+                p + "fcfs", "is the order of switching on demand", "add on_demand = true"
+            )
         if not out.on_demand:
             return out
         ports = {rt.port for rt in runtimes.values()}

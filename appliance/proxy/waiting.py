@@ -19,7 +19,9 @@ from appliance.hold import (
     HeldCounts,
     Mark,
     OpenRequests,
+    read_demand,
     read_mark,
+    read_queues,
     read_refused,
     write_counts,
 )
@@ -34,6 +36,8 @@ HEALTH_TTL_S = 0.5  # a healthy answer is trusted this long before /health is as
 # request's connection, and the door holds it then (appliance.proxy.hook.wait_ready).
 HEALTH_STALE_S = 2.0
 NOT_HEALTHY = "the backend is not healthy"
+BEHIND = "an older request waits for another model ([switching] fcfs: first come, first served)"
+ORDER_TTL_S = 0.5  # how long the switch on demand's word on the order is trusted
 
 
 class HoldTimeout(Exception):
@@ -77,6 +81,8 @@ class Turnstile:
         self.counts = HeldCounts()
         self.counts_written = False
         self.waiting: dict[object, float] = {}  # the requests waiting now: since (epoch s)
+        self.fcfs = False  # [switching] fcfs, as the switch on demand last wrote it
+        self.order_read = -math.inf
         self.open_requests = OpenRequests(state_dir, port)
         self.said: str | None = None  # the last problem written to the journal
 
@@ -87,9 +93,12 @@ class Turnstile:
         own = mark is not None and is_switch_token(token, mark)
         return held if own else not held
 
-    async def blocked(self, token: str | None, health: bool = True) -> str | None:
+    async def blocked(
+        self, token: str | None, health: bool = True, arrived: float | None = None
+    ) -> str | None:
         """Why a request must wait now, or None. `health`: False when the request's own
-        connection will tell (the door's fast way holds it when the runtime does not serve)."""
+        connection will tell (the door's fast way holds it when the runtime does not serve).
+        `arrived`: when it came (epoch seconds), for the order of [switching] fcfs."""
         mark = read_mark(self.state_dir)
         if mark is not None and mark.problem is not None:
             self._say(f"the hold mark cannot be read: {mark.problem}; requests wait as in a switch")
@@ -98,6 +107,8 @@ class Turnstile:
             mark = None  # a switch of runtimes on other cards: this one goes on serving
         if mark is not None and not is_switch_token(token, mark):
             return f"switching to {mark.target}"
+        if mark is None and arrived is not None and self.behind(arrived):
+            return BEHIND
         now = self.clock()
         if mark is not None or not health or now < self.healthy_until:
             return None
@@ -106,6 +117,18 @@ class Turnstile:
             return None  # healthy a moment ago: it goes on, and the answer comes for the next
         # shielded: a request that is cancelled (its client left) leaves the probe to the others
         return None if await asyncio.shield(probing) else NOT_HEALTHY
+
+    def behind(self, arrived: float) -> bool:
+        """With [switching] fcfs (strict first come, first served, as llama-swap serves): whether
+        a request for another runtime port has waited since before this one came. Then this one
+        waits too, and the runtimes swap in the order the requests came."""
+        now = self.clock()
+        if now >= self.order_read + ORDER_TTL_S:
+            self.fcfs, self.order_read = read_demand(self.state_dir).get("fcfs") is True, now
+        if not self.fcfs:
+            return False
+        queues = read_queues(self.state_dir)
+        return any(port != self.port and q.oldest < arrived for port, q in queues.items())
 
     async def healthy(self) -> bool:
         """Whether the runtime answers /health: the kept answer while it is fresh, else asked."""
@@ -140,18 +163,19 @@ class Turnstile:
         start: float | None = None
         limit = self.hold_s if limit_s is None else min(limit_s, self.hold_s)
         me = object()  # this request's place among those waiting
+        arrived = None if ticket is not None and ticket.from_peer else time.time()
         try:
             while True:
                 if ticket is not None:
                     ticket.open(self.open_requests)
-                why = await self.blocked(token, health)
+                why = await self.blocked(token, health, arrived)
                 if why is None:
                     return 0.0 if start is None else self.clock() - start
                 if ticket is not None:
                     ticket.close()
                 if start is None:
                     start = self.clock()
-                    self.waiting[me] = time.time()
+                    self.waiting[me] = arrived or time.time()
                     self._count(now=+1, total=+1)
                 waited = self.clock() - start
                 if why == NOT_HEALTHY and (refused := read_refused(self.state_dir, self.port)):

@@ -49,6 +49,7 @@ def demand_view(config: Config, state_dir: Path, last: dict[str, Any] | None) ->
     pin = read_pin(state_dir, now)
     return {
         "on_demand": config.switching.on_demand,
+        "fcfs": config.switching.fcfs,
         "queues": queues(config, state_dir, now),
         "decision": record.get("decision") if config.switching.on_demand else None,
         "refused": [

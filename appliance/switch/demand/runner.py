@@ -13,6 +13,7 @@ switch as `b70ctl switch` (lock, hold, drain, one StartUnit, verify, rollback).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -37,8 +38,13 @@ SwitchFn = Callable[..., Any]  # apply.switch's signature: (config, scope, name,
 
 
 def policy_of(config: Config) -> Policy:
+    """The config's policy; with [switching] fcfs, first come, first served: any request for
+    another runtime swaps at once (the switch's drain lets those in flight end), no stay, no
+    batch, and the proxy keeps the requests behind it waiting (appliance.proxy.waiting)."""
     s = config.switching
     default = config.default_runtime if config.default_runtime in config.runtimes else None
+    if s.fcfs:
+        return Policy(max_wait_s=math.inf, stay_factor=0.0, batch=1, default_runtime=default)
     return Policy(s.max_wait_s, s.stay_factor, s.batch, s.idle_return_s, default)
 
 
@@ -232,6 +238,7 @@ class Runner:
         self.refused = {port: r for port, r in self.refused.items() if r["until"] > now}
         d = self.decision
         doc: dict[str, object] = {
+            "fcfs": self.config.switching.fcfs,  # the proxy keeps the order of arrival
             "refused": {str(port): r for port, r in sorted(self.refused.items())},
             "decision": None if d is None else {"target": d.target, "reason": d.reason},
         }
