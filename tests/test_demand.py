@@ -276,3 +276,17 @@ def test_status_shows_the_queues_by_model_the_pin_and_refusals(
     text = "\n".join(_demand_lines(view))
     assert "on demand  yes" in text and "pin       llamacpp until" in text
     assert "refused   vllm for 30 s more: it failed to start on demand: it hung" in text
+
+
+def test_purge_removes_every_file_switching_on_demand_makes(tmp_path: Path) -> None:
+    from appliance.deploy.purge import purge_state
+
+    clock = Clock()
+    down = waiting.Turnstile(tmp_path, Backend(healthy=False), 300, clock, clock.sleep, VLLM)
+    with pytest.raises(waiting.HoldTimeout):  # its queue file, written while it waited
+        asyncio.run(down.wait(limit_s=1))
+    hold.write_demand(tmp_path, {"fcfs": False, "refused": {}})
+    pins.write_pin(tmp_path, "vllm", 60)
+    assert any(p.name.endswith(f"-{VLLM}.json") for p in (tmp_path / hold.HELD_DIR).iterdir())
+    out = purge_state(tmp_path)
+    assert not tmp_path.exists() and out.kept == [] and out.failed == []  # the folder too

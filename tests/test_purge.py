@@ -14,7 +14,7 @@ def appliance_files(state: Path) -> None:
     (state / f".{layout.HISTORY}.0123456789ab").write_text("half")  # its writer died
     held = state / hold.HELD_DIR
     held.mkdir()
-    for name in ("4242.json", "open", "open-8000", ".open-8000.00112233aabb"):
+    for name in ("4242.json", "4242-8001.json", "open", "open-8000", ".open-8000.00112233aabb"):
         (held / name).write_text("1")
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from appliance import hold, layout
+from appliance.switch.demand.pins import PIN_FILE
 
 # The state directory's files, each made by the appliance (appliance.layout, appliance.hold).
 STATE_FILES = frozenset(
@@ -22,10 +23,13 @@ STATE_FILES = frozenset(
         layout.CANARY_FILE,
         layout.RENDERED,
         hold.HOLD_FILE,
+        hold.DEMAND_FILE,
+        PIN_FILE,
     }
 )
-# In the proxy's folder of held requests: a file per worker (PID.json) and the open counts.
-HELD_FILE = re.compile(rf"(\d+\.json|{hold.OPEN_FILE}(-\d+)?)")
+# In the proxy's folder of held requests: a file per worker and runtime port (PID.json,
+# PID-PORT.json) and the open counts.
+HELD_FILE = re.compile(rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?)")
 # A file being replaced when its writer died: `.NAME.` and 12 hex digits (hold.create_beside).
 TEMPORARY = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{12}")
 
