@@ -91,10 +91,14 @@ CODEX = CACHE / "codex-0.171.0" / "node_modules" / ".bin" / "codex"
 # longer than the switch's drain under the suite's load, and the switch cut it. Here Codex speaks
 # its own Responses protocol with its shell tools (exec_command, write_stdin) and a one-line
 # instruction file: 8.6 KB, about a fifth. The demo's llama.cpp gets one slot of 8192 tokens; Codex
-# asks for no most tokens of an answer, so llama-server's own -n caps them.
+# asks for no most tokens of an answer, so llama-server's own -n caps them, and --ignore-eos makes
+# every answer that long (256 tokens, seconds on one thread): the switch finds it in flight.
 CODEX_TRIM = ["multi_agent", "apps", "plugins", "image_generation", "view_image", "browser_use",
               "computer_use", "goals", "skill_search", "tool_suggest"]  # fmt: skip
-LONG = ('"-c", "2048", "--parallel", "2"', '"-c", "8192", "--parallel", "1", "-n", "48"')
+LONG = (
+    '"-c", "2048", "--parallel", "2"',
+    '"-c", "8192", "--parallel", "1", "-n", "256", "--ignore-eos"',
+)
 
 
 @pytest.fixture(scope="module")

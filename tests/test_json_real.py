@@ -38,7 +38,7 @@ GOOD: dict[tuple[str, ...], tuple[Args, set[str]]] = {
     ),
     ("status",): (
         lambda app, tmp: [],
-        {"scope", "active_runtime", "units", "backend", "proxy", "hold", "last_switch"},
+        {"scope", "active_runtime", "units", "backend", "proxy", "hold", "last_switch", "demand"},
     ),
     ("monitor",): (lambda app, tmp: ["--once"], {"runtime", "failovers", "last_observation"}),
     ("logs",): (lambda app, tmp: [serving(app)[0], "-n", "5"], {"unit", "lines"}),
@@ -59,6 +59,7 @@ GOOD: dict[tuple[str, ...], tuple[Args, set[str]]] = {
         lambda app, tmp: ["--need-gib", "0", "--timeout", "0"],
         {"devices", "need_bytes", "free"},
     ),
+    ("unpin",): (lambda app, tmp: [], {"unpinned"}),
     ("unit", "pre"): (lambda app, tmp: ["--port", str(free_port())], {"port", "free"}),
     ("unit", "ready"): (
         lambda app, tmp: [
