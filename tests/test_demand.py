@@ -290,3 +290,51 @@ def test_purge_removes_every_file_switching_on_demand_makes(tmp_path: Path) -> N
     assert any(p.name.endswith(f"-{VLLM}.json") for p in (tmp_path / hold.HELD_DIR).iterdir())
     out = purge_state(tmp_path)
     assert not tmp_path.exists() and out.kept == [] and out.failed == []  # the folder too
+
+
+CARDS = """
+default_runtime = "chat"
+[gpu]
+cards = "auto"
+[runtimes.chat]
+engine = "vllm"
+model = "/m"
+cards = [0]
+[runtimes.vision]
+engine = "llamacpp"
+command = ["/usr/bin/true"]
+model = "/m.gguf"
+cards = [1]
+served_model_name = "vision"
+port = 8002
+[runtimes.long]
+engine = "llamacpp"
+command = ["/usr/bin/true"]
+model = "/m.gguf"
+cards = [1]
+served_model_name = "long"
+port = 8003
+[switching]
+on_demand = true
+"""
+
+
+def test_on_several_cards_only_what_shares_a_card_with_the_target_is_weighed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """chat serves on card 0, vision on card 1; a request for long (card 1) is weighed against
+    vision alone: chat's requests in flight do not keep it waiting, and a switch to long
+    stops vision only (the switch's plan, tests/test_plans.py)."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    config = parse(CARDS, tmp_path / "appliance.toml")
+    r = Runner(config, Scope.USER, print, switch=Recorder(), clock=lambda: 10_000.0)
+    long_ago = [{"to": name, "ok": True, "seconds": 5.0, "at": 0.0} for name in ("chat", "vision")]
+    busy_chat = {"chat": 5, "vision": 0}
+    decision = r.plan(["chat", "vision"], {8003: queue(1, 1)}, busy_chat, None, long_ago)
+    assert decision is not None and decision.target == "long"
+    busy_vision = {"chat": 0, "vision": 2}
+    assert r.plan(["chat", "vision"], {8003: queue(1, 1)}, busy_vision, None, long_ago) is None
+    assert r.decision is not None and r.decision.reason == "busy"
+    # with vision stopped, card 1 is free: long starts at once, whatever chat does
+    decision = r.plan(["chat"], {8003: queue(1, 0)}, busy_chat, None, [])
+    assert decision is not None and (decision.target, decision.reason) == ("long", "demand")
