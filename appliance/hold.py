@@ -170,10 +170,12 @@ def write_counts(
     first: bool = False,
     port: int | None = None,
     oldest: float | None = None,
+    tokens: int = 0,
 ) -> None:
     """One turnstile's counts, in a file of its worker and runtime port (PID-PORT.json; PID.json
     without a port); its first write also removes the files of workers that are gone. `oldest`:
-    since when (epoch seconds) the longest-waiting of the `counts.now` requests waits."""
+    since when (epoch seconds) the longest-waiting of the `counts.now` requests waits; `tokens`:
+    the most tokens of an answer they ask for, together."""
     folder = state_dir / HELD_DIR
     folder.mkdir(parents=True, exist_ok=True)
     if first:
@@ -181,7 +183,7 @@ def write_counts(
             path.unlink(missing_ok=True)
     record = {**counts.__dict__, "pid_start": start_time(os.getpid())}
     if port is not None:
-        record |= {"port": port, "oldest": oldest}
+        record |= {"port": port, "oldest": oldest, "tokens": tokens}
     name = f"{os.getpid()}.json" if port is None else f"{os.getpid()}-{port}.json"
     _write(folder / name, json.dumps(record) + "\n")
 
@@ -210,6 +212,7 @@ class Queue:
 
     count: int
     oldest: float  # since when (epoch seconds) the longest-waiting one waits
+    tokens: int = 0  # the most tokens of an answer they ask for, together (as far as they say)
 
 
 def read_queues(state_dir: Path) -> dict[int, Queue]:
@@ -220,10 +223,13 @@ def read_queues(state_dir: Path) -> dict[int, Queue]:
         if not (isinstance(port, int) and isinstance(now, int) and now > 0):
             continue
         since = float(oldest) if isinstance(oldest, int | float) else time.time()
+        tokens = data.get("tokens")
+        tokens = tokens if isinstance(tokens, int) and tokens > 0 else 0
         before = out.get(port)
         if before is not None:
             now, since = now + before.count, min(since, before.oldest)
-        out[port] = Queue(now, since)
+            tokens += before.tokens
+        out[port] = Queue(now, since, tokens)
     return out
 
 
@@ -364,6 +370,7 @@ class Ticket:
         self.model = model
         self.token = token  # its hold token: a switch's own request
         self.from_peer = from_peer  # a peer's front door sent it: this box's runtimes answer it
+        self.tokens = 0  # the most tokens of an answer it asks for, if it says
         self.counted: OpenRequests | None = None
 
     def open(self, counts: OpenRequests) -> None:

@@ -264,7 +264,14 @@ def test_status_shows_the_queues_by_model_the_pin_and_refusals(
 
     view = asyncio.run(scenario())
     assert view["queues"] == [
-        {"model": "big", "port": VLLM, "runtime": "vllm", "waiting": 1, "oldest_s": 0.0}
+        {
+            "model": "big",
+            "port": VLLM,
+            "runtime": "vllm",
+            "waiting": 1,
+            "tokens": 0,
+            "oldest_s": 0.0,
+        }
     ]
     assert view["pin"]["runtime"] == "llamacpp" and 599 < view["pin"]["left_s"] <= 600
     assert view["decision"] == {"reason": "pinned"} and view["last_reason"] == "demand"
@@ -338,3 +345,32 @@ def test_on_several_cards_only_what_shares_a_card_with_the_target_is_weighed(
     # with vision stopped, card 1 is free: long starts at once, whatever chat does
     decision = r.plan(["chat"], {8003: queue(1, 0)}, busy_chat, None, [])
     assert decision is not None and (decision.target, decision.reason) == ("long", "demand")
+
+
+def test_the_queue_counts_the_tokens_its_requests_ask_for_and_more_of_them_goes_first(
+    tmp_path: Path,
+) -> None:
+    from appliance.switch.demand.policy import Card, Policy, Waiting, decide
+
+    clock = Clock()
+    down = waiting.Turnstile(tmp_path, Backend(healthy=False), 300, clock, clock.sleep, VLLM)
+
+    async def asking(tokens: int) -> float:
+        ticket = hold.Ticket("big")
+        ticket.tokens = tokens
+        hold.TICKET.set(ticket)  # this task's own, as the door sets it for each request
+        return await down.wait()
+
+    async def scenario() -> hold.Queue:
+        waiters = [asyncio.create_task(asking(n)) for n in (100, 300)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        got = hold.read_queues(tmp_path)[VLLM]
+        for w in waiters:
+            w.cancel()
+        await asyncio.gather(*waiters, return_exceptions=True)
+        return got
+
+    assert asyncio.run(scenario()).tokens == 400
+    few, many = Waiting("llamacpp", 2, 5.0, 20), Waiting("vllm", 2, 5.0, 400)
+    assert decide(Card(None), [few, many], {}, Policy()).target == "vllm"

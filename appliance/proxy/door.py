@@ -260,6 +260,7 @@ class Door:
         token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
         # opened by the turnstile of the model's runtime when it lets the request through
         ticket = hold.Ticket(checked.model, token, _header(scope, PEER_HEADER) is not None)
+        ticket.tokens = max(0, checked.tokens)
         context = hold.TICKET.set(ticket)
         try:
             sent = await self.fast(scope, checked, receive, send, token, arrived)
@@ -465,7 +466,9 @@ class Door:
             refusal = await check_request(kind, data, len(body), models, backend)
         if refusal is not None:
             raise refusal
-        return Checked(body, data["model"], kind, backend, data.get("stream") is True)
+        asked = [data.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
+        tokens = next((n for n in asked if isinstance(n, int) and not isinstance(n, bool)), 0)
+        return Checked(body, data["model"], kind, backend, data.get("stream") is True, tokens)
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
@@ -495,6 +498,7 @@ class Checked(NamedTuple):
     kind: str = CHAT
     backend: Backend | None = None  # the runtime that serves the name, as the door sees it
     streams: bool = False
+    tokens: int = 0  # the most tokens of an answer it asks for, if it says (the demand's weight)
 
 
 async def _engine_now(checked: Checked) -> str | None:

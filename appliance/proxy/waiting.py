@@ -80,7 +80,7 @@ class Turnstile:
         self.probing: asyncio.Future[bool] | None = None  # the probe being asked, if one is
         self.counts = HeldCounts()
         self.counts_written = False
-        self.waiting: dict[object, float] = {}  # the requests waiting now: since (epoch s)
+        self.waiting: dict[object, tuple[float, int]] = {}  # waiting now: since, tokens asked
         self.fcfs = False  # [switching] fcfs, as the switch on demand last wrote it
         self.order_read = -math.inf
         self.open_requests = OpenRequests(state_dir, port)
@@ -175,7 +175,8 @@ class Turnstile:
                     ticket.close()
                 if start is None:
                     start = self.clock()
-                    self.waiting[me] = arrived or time.time()
+                    tokens = ticket.tokens if ticket is not None else 0
+                    self.waiting[me] = (arrived or time.time(), tokens)
                     self._count(now=+1, total=+1)
                 waited = self.clock() - start
                 if why == NOT_HEALTHY and (refused := read_refused(self.state_dir, self.port)):
@@ -202,9 +203,10 @@ class Turnstile:
         self.counts.total += total
         self.counts.timed_out += timed_out
         try:
-            oldest = min(self.waiting.values(), default=None)
+            oldest = min((since for since, _ in self.waiting.values()), default=None)
+            tokens = sum(asked for _, asked in self.waiting.values())
             first = not self.counts_written
-            write_counts(self.state_dir, self.counts, first, self.port, oldest)
+            write_counts(self.state_dir, self.counts, first, self.port, oldest, tokens)
             self.counts_written = True
         except OSError as e:
             # The counts are for the monitor: a request never fails because of them, but the

@@ -16,8 +16,8 @@ and pays the swap each time. The rules, in order:
    demand swaps it out, so that a costly swap is not thrown away on a lull.
 5. Busy: while the serving runtime has requests in flight, it stays, unless `batch` requests or
    more wait for another (then the swap is worth a drain).
-6. Otherwise the runtime with the most demand swaps in: most requests waiting, then the oldest,
-   then the cheaper swap.
+6. Otherwise the runtime with the most demand swaps in: most requests waiting, then the most
+   tokens they ask for, then the oldest, then the cheaper swap.
 7. Idle return: with `idle_return_s`, a card idle that long with no queue goes back to its
    default runtime.
 
@@ -45,6 +45,7 @@ class Waiting:
     runtime: str
     count: int
     oldest_s: float  # how long the oldest of them has waited
+    tokens: int = 0  # the most tokens of an answer they ask for, together (as far as they say)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def decide(
         return Decision(None, "pinned", card.pinned_s)
     if not others:
         return _idle(card, policy)
-    best = max(others, key=lambda w: (w.count, w.oldest_s, -cost_s.get(w.runtime, 0.0)))
+    best = max(others, key=lambda w: (w.count, w.tokens, w.oldest_s, -cost_s.get(w.runtime, 0.0)))
     if card.serving is None:
         return Decision(best.runtime, DEMAND)
     starving = [w for w in others if w.oldest_s >= policy.max_wait_s]

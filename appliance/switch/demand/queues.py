@@ -35,6 +35,7 @@ def queues(config: Config, state_dir: Path, now: float | None = None) -> list[di
                 "port": port,
                 "runtime": target_of(config, port),
                 "waiting": queue.count,
+                "tokens": queue.tokens,
                 "oldest_s": round(max(0.0, now - queue.oldest), 1),
             }
         )

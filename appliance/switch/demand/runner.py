@@ -149,13 +149,13 @@ class Runner:
         for port, queue in sorted(queues.items()):
             waited = max(0.0, now - queue.oldest)
             if port in on_port:
-                own[on_port[port]] = Waiting(on_port[port], queue.count, waited)
+                own[on_port[port]] = Waiting(on_port[port], queue.count, waited, queue.tokens)
                 continue
             target = target_of(self.config, port)
             refused = self.refused.get(port)
             if target is None or (refused is not None and refused["until"] > now):
                 continue
-            wants[target] = Waiting(target, queue.count, waited)
+            wants[target] = Waiting(target, queue.count, waited, queue.tokens)
         return wants, own
 
     def card(
