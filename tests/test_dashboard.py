@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import generate_latest
 
+from appliance import hold
 from appliance.config import parse
 from appliance.host.gpu import DeviceMemory, Holder, Snapshot
 from appliance.host.gpu.sysfs import Device
 from appliance.layout import HISTORY
+from appliance.switch.demand import pins
 from appliance.switch.plans import Memory, Observation
 from appliance.watch import metrics
 from tests.conftest import REPO
@@ -44,10 +47,15 @@ def queries(doc: Any) -> list[str]:
 
 def exported(tmp_path: Path) -> tuple[set[str], set[str]]:
     """Sample names and label names of a scrape with every metric present: a monitor that has
-    seen a switch, a runtime with requests in flight, and a card with a holder."""
+    seen a switch, a runtime with requests in flight, a card with a holder, and switching on
+    demand with a queue, a pin and a refused runtime."""
     (tmp_path / HISTORY).write_text(
         json.dumps({"ok": True, "seconds": 3.2, "phases": {"unit": 2.5, "verified": 0.4}}) + "\n"
     )
+    hold.write_counts(tmp_path, hold.HeldCounts(2, 2, 0), port=8001, oldest=time.time() - 5)
+    pins.write_pin(tmp_path, "vllm", 60)
+    refused = {"runtime": "llamacpp", "until": time.time() + 60, "why": "x"}
+    hold.write_demand(tmp_path, {"refused": {"8001": refused}})
     cfg = parse(CONFIG, tmp_path / "appliance.toml")
     exporter = metrics.Exporter(cfg)
     o = Observation(1.0, "vllm", "active", "running", 42, True, "ok", False, in_flight=3)

@@ -77,3 +77,25 @@ def test_no_runtime_serving_says_every_runtime_down(tmp_path: Path) -> None:
     for name in ("chat", "vision", "spare"):
         assert m[("b70_active_runtime", (("runtime", name),))] == 0.0
         assert m[("b70_runtime_up", (("runtime", name),))] == 0.0
+
+
+def test_switching_on_demand_shows_why_each_switch_was_made_the_queue_and_the_pin(
+    tmp_path: Path,
+) -> None:
+    import json
+
+    from appliance import hold
+    from appliance.switch.demand import pins
+
+    records = [{"to": "spare", "ok": True, "seconds": 3.0}]  # before switches said why: by hand
+    records += [{"to": "chat", "ok": True, "seconds": 4.0, "reason": "demand"}] * 2
+    (tmp_path / "switches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pins.write_pin(tmp_path, "chat", 600)
+    refused = {"runtime": "vision", "until": 4e9, "why": "it hung"}
+    hold.write_demand(tmp_path, {"refused": {"8002": refused}})
+    m = scrape(tmp_path, [observation("chat", True, 0)], {"chat": Memory(runtime="chat")})
+    assert m[("b70_switches_by_reason_total", (("reason", "by hand"),))] == 1.0
+    assert m[("b70_switches_by_reason_total", (("reason", "demand"),))] == 2.0
+    assert m[("b70_last_switch_reason", (("reason", "demand"), ("to", "chat")))] == 1.0
+    assert 599 < m[("b70_pin_seconds", (("runtime", "chat"),))] <= 600
+    assert m[("b70_demand_refused_seconds", (("runtime", "vision"),))] > 0

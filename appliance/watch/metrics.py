@@ -124,6 +124,13 @@ class Exporter(Collector):
                 "How long the last switch took",
                 value=float(last["seconds"]),
             )
+        reason = GaugeMetricFamily(
+            "b70_last_switch_reason",
+            "1 for why the last switch was made (by hand, failover, demand, starving, idle return)",
+            labels=["reason", "to"],
+        )
+        reason.add_metric([str(last.get("reason", "by hand")), str(last.get("to"))], 1.0)
+        yield reason
         phases = GaugeMetricFamily(
             "b70_last_switch_phase_seconds",
             "How long each phase of the last switch took",
