@@ -74,6 +74,7 @@ class Call:
     way: str = FULL_WAY
     error: tuple[int, bytes] | None = None  # REFUSED: the runtime's status and answer
     mend: Mend | None = None  # what the relayed answer passes through (appliance.proxy.apis)
+    reached: bool = True  # False: nothing listened on the runtime's port (it does not serve)
 
     SCOPE_KEY: ClassVar[str] = "b70.direct"  # where the call rides in the request's ASGI scope
 
@@ -84,7 +85,7 @@ class Call:
         done = await exchange(
             call.target, call.kind, call.body, receive, send, timeout_s(), call.mend
         )
-        call.way, call.error = done.way, done.error
+        call.way, call.error, call.reached = done.way, done.error, done.reached
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ async def exchange(
     try:
         reader, writer = await open_with(target.host, target.port, request)
     except OSError:
-        return Done(NOT_READY)
+        return Done(NOT_READY, reached=False)
     ongoing = _Exchange(target, kind, reader, writer, send, mend)
     done = ongoing.done
     # The body was read by the door: the client's next message says it left.
@@ -309,6 +310,7 @@ class Done:
 
     way: str
     error: tuple[int, bytes] | None = None  # REFUSED: the runtime's status and answer
+    reached: bool = True  # False: the connection to the runtime was refused
 
 
 class _Exchange:

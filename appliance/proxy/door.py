@@ -313,7 +313,7 @@ class Door:
                 # does not serve again within the request's hold time, that is the answer.
                 left = max(0.0, self.hold_s - (self.clock() - arrived))
                 try:
-                    await unless_left(self.wait_ready(left, token), receive)
+                    await self.held(self.wait_ready(left, token), call, receive)
                 except HoldTimeout as e:
                     await hold_timeout(e).send(send)
                     return None
@@ -357,7 +357,7 @@ class Door:
             if self.wait_ready is None or left <= 0 or attempt == REPLAYS:
                 break
             try:
-                waited = await unless_left(self.wait_ready(left, token), receive)
+                waited = await self.held(self.wait_ready(left, token), call, receive)
             except HoldTimeout:
                 break
             log(f"b70: {route_path(scope)}: the runtime went away before answering; sent "
@@ -375,6 +375,13 @@ class Door:
         if self.hold is not None:
             await unless_left(self.hold(token), receive)
         return target, False
+
+    @staticmethod
+    async def held(wait: Awaitable[float], call: direct.Call, receive: Receive) -> float:
+        """A request held after its call found no runtime listening (a runtime that does not
+        serve, as on demand): given up if its client leaves meanwhile (`unless_left`). One whose
+        runtime went away under it waits as it did before."""
+        return await (wait if call.reached else unless_left(wait, receive))
 
     def models_answer(self, scope: Scope, send: Send) -> Send:
         """LiteLLM's answer to the model list (or one model), with the APIs each name speaks
