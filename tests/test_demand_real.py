@@ -143,7 +143,8 @@ def test_a_pin_holds_demand_off_a_client_that_leaves_leaves_the_queue_and_unpin_
         assert [(q["model"], q["runtime"], q["waiting"]) for q in queue] == [
             ("smollm2-b", "llamacpp-b", 1)
         ]
-        seen = demand(app)
+        # the runner writes its reason at its next look (twice a second)
+        seen = wait_for(lambda: (d := demand(app))["decision"] is not None and d, 10)
         assert seen["pin"]["runtime"] == "llamacpp" and seen["decision"]["reason"] == "pinned"
         text = app.b70ctl("status").stdout
         assert "1 for smollm2-b (llamacpp-b)" in text and "pin       llamacpp until" in text
