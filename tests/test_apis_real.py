@@ -92,19 +92,23 @@ CODEX = CACHE / "codex-0.171.0" / "node_modules" / ".bin" / "codex"
 # its own Responses protocol with its shell tools (exec_command, write_stdin) and a one-line
 # instruction file: 8.6 KB, about a fifth. The demo's llama.cpp gets one slot of 8192 tokens; Codex
 # asks for no most tokens of an answer, so llama-server's own -n caps them, and --ignore-eos makes
-# every answer that long (256 tokens, seconds on one thread): the switch finds it in flight.
+# every answer that long. 256 tokens were too few: llama-server answers /metrics only between its
+# batches, so the test saw the request in flight after its prompt's one long batch, and once the
+# 256 tokens were done before the switch's drain began (2 s later). 1024 tokens take several
+# times that; the drain may wait 180 s for them.
 CODEX_TRIM = ["multi_agent", "apps", "plugins", "image_generation", "view_image", "browser_use",
               "computer_use", "goals", "skill_search", "tool_suggest"]  # fmt: skip
 LONG = (
     '"-c", "2048", "--parallel", "2"',
-    '"-c", "8192", "--parallel", "1", "-n", "256", "--ignore-eos"',
+    '"-c", "8192", "--parallel", "1", "-n", "1024", "--ignore-eos"',
 )
+DRAIN = ("hold_s = 120", "hold_s = 300\ndrain_s = 180")
 
 
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Appliance]:
     assert CODEX.exists(), f"{CODEX} is missing: run scripts/fetch-codex"
-    edit = lambda text: text.replace(*LONG)  # noqa: E731 - both llama.cpp runtimes
+    edit = lambda text: text.replace(*LONG).replace(*DRAIN)  # noqa: E731 - both llama.cpps
     with own_appliance(tmp_path_factory.mktemp("long"), SECOND_LLAMACPP, edit) as app:
         yield app
 
