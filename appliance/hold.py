@@ -371,6 +371,7 @@ class Ticket:
         self.token = token  # its hold token: a switch's own request
         self.from_peer = from_peer  # a peer's front door sent it: this box's runtimes answer it
         self.tokens = 0  # the most tokens of an answer it asks for, if it says
+        self.queued_s = 0.0  # how long it waited at the hold, in all
         self.counted: OpenRequests | None = None
 
     def open(self, counts: OpenRequests) -> None:

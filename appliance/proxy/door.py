@@ -60,7 +60,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any, NamedTuple
 
 from appliance import hold
-from appliance.keys import same_secret
+from appliance.people import MASTER_KEY, KeyRing, Person
 from appliance.proxy import apis, direct
 from appliance.proxy.apis import models, streams
 from appliance.proxy.apis.answers import not_served, runtime_error
@@ -77,7 +77,10 @@ from appliance.proxy.relay import (
     resend,
     runtime_gone,
 )
+from appliance.proxy.share.limits import Limits
+from appliance.proxy.share.meter import Meter, ask_usage
 from appliance.proxy.waiting import HoldTimeout
+from appliance.usage import Ledger, Use
 
 Scope = Mapping[str, Any]
 # Holds a request while the runtime cannot take it (raises HoldTimeout when the hold time runs
@@ -132,18 +135,31 @@ def route_of(path: str, models: Collection[str] | None) -> tuple[str, frozenset[
 # --- the key --------------------------------------------------------------------------------------
 
 
-def key_problem(authorization: str | None, expected: str, api_key: str | None = None) -> str | None:
-    """What is wrong with the key an `Authorization` header carries (or an `x-api-key` header,
-    as Anthropic's clients send it), or None when it is right."""
-    given = (authorization or "").removeprefix("Bearer ").strip() or (api_key or "").strip()
+NO_KEY = (
+    "no API key: send your key (`b70ctl keys add NAME` makes one) or the appliance's master key "
+    "(LITELLM_MASTER_KEY in its proxy.env) as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+)
+WRONG_KEY = (
+    "the API key is not the appliance's key, nor one that `b70ctl keys` made and did not revoke"
+)
+
+
+def given_key(authorization: str | None, api_key: str | None = None) -> str:
+    """The key an `Authorization` header carries (or an `x-api-key` header, as Anthropic's
+    clients send it)."""
+    return (authorization or "").removeprefix("Bearer ").strip() or (api_key or "").strip()
+
+
+def whose_key(keys: KeyRing, authorization: str | None, api_key: str | None = None) -> Person:
+    """The key's holder (people.MASTER_KEY for the master key), or the 401 that says what is
+    wrong with it."""
+    given = given_key(authorization, api_key)
     if not given:
-        return (
-            "no API key: send the appliance's key as 'Authorization: Bearer KEY' or "
-            "'x-api-key: KEY' (it is LITELLM_MASTER_KEY in the appliance's proxy.env)"
-        )
-    if not expected or not same_secret(given, expected):
-        return "the API key is not the appliance's key"
-    return None
+        raise unauthorized(NO_KEY)
+    person = keys.who(given)
+    if person is None:
+        raise unauthorized(WRONG_KEY)
+    return person
 
 
 def hold_timeout(e: HoldTimeout) -> Refusal:
@@ -201,6 +217,9 @@ class Door:
         readiness: Readiness | None = None,
         pass_through: bool = True,
         runtimes_of: models.RuntimesOf | None = None,
+        keys: KeyRing | None = None,
+        limits: Limits | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
@@ -209,7 +228,9 @@ class Door:
         self.replicas = replicas  # names served by several replicas: the router picks one
         self.readiness = readiness
         self.models = models
-        self.key = key
+        self.keys = keys if keys is not None else KeyRing(None, key)
+        self.limits = limits  # the limits of people's keys (None: none are kept)
+        self.ledger = ledger  # where each key's use is written (None: nowhere)
         self.max_body_bytes = max_body_bytes
         self.wait_ready = wait_ready
         self.hold_s = hold_s
@@ -257,21 +278,43 @@ class Door:
         (appliance.proxy.direct or appliance.proxy.relay), or the full way through LiteLLM's
         chat or completion route, sent again if the runtime died before answering
         (appliance.proxy.relay.resend)."""
-        token = _header(scope, BYPASS_HEADER)  # the request's hold token, if it sent one
+        person = checked.person
+        master = person is MASTER_KEY
+        # The request's hold token, if it sent one; a switch's own requests come with the master
+        # key, as do a peer's (a person's key does not pass the hold, nor speak for a peer).
+        token = _header(scope, BYPASS_HEADER) if master else None
+        from_peer = master and _header(scope, PEER_HEADER) is not None
+        if self.limits is not None:
+            try:
+                self.limits.admit(person)
+            except Refusal as refusal:
+                self.count(person, Use(limited=1))
+                await refusal.send(send)
+                return
         # opened by the turnstile of the model's runtime when it lets the request through
-        ticket = hold.Ticket(checked.model, token, _header(scope, PEER_HEADER) is not None)
+        ticket = hold.Ticket(checked.model, token, from_peer)
         ticket.tokens = max(0, checked.tokens)
         context = hold.TICKET.set(ticket)
+        meter = Meter(send, strip=checked.strip_usage)
         try:
-            sent = await self.fast(scope, checked, receive, send, token, arrived)
+            sent = await self.fast(scope, checked, receive, meter, token, arrived)
             if sent is not None:
-                await resend(self.app, scope, checked.body, receive, send, arrived, self.hold_s,
+                await resend(self.app, scope, checked.body, receive, meter, arrived, self.hold_s,
                              self.wait_ready, self.clock, token, sent)  # fmt: skip
         except _Disconnected:
             pass  # the client left while its request waited: nothing to answer
         finally:
             ticket.close()
             hold.TICKET.reset(context)
+            tokens = meter.tokens_in + meter.tokens_out
+            if self.limits is not None:
+                self.limits.done(person, tokens)
+            self.count(person, Use(1, meter.tokens_in, meter.tokens_out, ticket.queued_s))
+
+    def count(self, person: Person, use: Use) -> None:
+        """A request's use, in its key's usage."""
+        if self.ledger is not None:
+            self.ledger.add(person.name, use)
 
     async def fast(
         self, scope: Scope, checked: Checked, receive: Receive, send: Send, token: str | None,
@@ -446,11 +489,9 @@ class Door:
             )  # fmt: skip
         if kind == PROBE or method == "OPTIONS":
             return None
-        problem = key_problem(
-            _header(scope, b"authorization"), self.key(), _header(scope, b"x-api-key")
+        person = whose_key(
+            self.keys, _header(scope, b"authorization"), _header(scope, b"x-api-key")
         )
-        if problem is not None:
-            raise unauthorized(problem)
         if kind == MODELS:
             return None
         media_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
@@ -475,7 +516,12 @@ class Door:
             raise refusal
         asked = [data.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
         tokens = next((n for n in asked if isinstance(n, int) and not isinstance(n, bool)), 0)
-        return Checked(body, data["model"], kind, backend, data.get("stream") is True, tokens)
+        strip = kind in (CHAT, COMPLETION) and ask_usage(data)  # the key's tokens, when it streams
+        if strip:
+            body = json.dumps(data, ensure_ascii=False).encode()
+        return Checked(
+            body, data["model"], kind, backend, data.get("stream") is True, tokens, person, strip
+        )
 
     async def read_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.max_body_bytes
@@ -506,6 +552,8 @@ class Checked(NamedTuple):
     backend: Backend | None = None  # the runtime that serves the name, as the door sees it
     streams: bool = False
     tokens: int = 0  # the most tokens of an answer it asks for, if it says (the demand's weight)
+    person: Person = MASTER_KEY  # whose key it came with
+    strip_usage: bool = False  # the door asked for its stream's usage: the usage chunk is its own
 
 
 async def _engine_now(checked: Checked) -> str | None:

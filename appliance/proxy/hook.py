@@ -37,6 +37,7 @@ from appliance import hold as hold_mark
 from appliance.proxy import backend as backend_mod
 from appliance.proxy import door, mount, routing
 from appliance.proxy.asgi import log
+from appliance.proxy.checks import Refusal
 from appliance.proxy.waiting import HEALTH_TIMEOUT_S, HoldTimeout, Probe, Turnstile
 
 
@@ -217,9 +218,12 @@ def _unauthorized(message: str) -> ProxyException:
 
 
 async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:
-    """Accept exactly the appliance's key; anything else is a 401 that says what is wrong."""
-    problem = door.key_problem(api_key, os.environ.get("LITELLM_MASTER_KEY", ""))
-    if problem is not None:
-        raise _unauthorized(problem)
-    given = api_key.removeprefix("Bearer ").strip()
+    """Accept the appliance's keys, as the door does (the master key and people's keys); anything
+    else is a 401 that says what is wrong. The door checked the key already: only its own routes
+    reach LiteLLM, whatever role LiteLLM gives."""
+    try:
+        door.whose_key(mount.key_ring(), api_key)
+    except Refusal as refusal:
+        raise _unauthorized(refusal.message) from None
+    given = door.given_key(api_key)
     return UserAPIKeyAuth(api_key=given, user_role=LitellmUserRoles.PROXY_ADMIN)

@@ -6,6 +6,7 @@ Imported by the proxy: nothing from the rest of the controller but appliance.pro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import gc
@@ -14,11 +15,13 @@ import math
 import os
 import sys
 from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 from appliance.hold import PEER_HEADER
+from appliance.people import KEYS_FILE, KeyRing
 from appliance.proxy import direct
-from appliance.proxy.asgi import ASGIApp
+from appliance.proxy.asgi import ASGIApp, log
 from appliance.proxy.backend import Backend
 from appliance.proxy.door import (
     DEFAULT_MAX_BODY_BYTES,
@@ -28,6 +31,8 @@ from appliance.proxy.door import (
     Readiness,
 )
 from appliance.proxy.relay import WaitReady
+from appliance.proxy.share.limits import Limits
+from appliance.usage import Ledger
 
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -198,6 +203,25 @@ def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
     return True
 
 
+_KEYS: KeyRing | None = None
+
+
+def key_ring(env: Mapping[str, str] = os.environ) -> KeyRing:
+    """The keys this proxy process takes: the master key of its environment and the people of
+    the state directory's keys file; one ring for the door and LiteLLM's own key check."""
+    global _KEYS
+    if _KEYS is None:
+        state = env.get("B70_STATE_DIR")
+        path = Path(state) / KEYS_FILE if state else None
+        _KEYS = KeyRing(path, lambda: os.environ.get("LITELLM_MASTER_KEY", ""), log=log)
+    return _KEYS
+
+
+def _later(delay_s: float, call: Callable[[], None]) -> None:
+    """`call` on this worker's event loop after `delay_s` (the usage ledger's next line)."""
+    asyncio.get_running_loop().call_later(delay_s, call)
+
+
 class DoorNotMounted(Exception):
     """Inside the proxy, the door could not be put in front of LiteLLM's app."""
 
@@ -226,6 +250,10 @@ def install_in_proxy(
     limit = max_body_bytes(env)
     hold_s = hold_seconds(env)
     pass_through = env.get("B70_PASS_THROUGH", "1") != "0"
+    state = env.get("B70_STATE_DIR")
+    keys = key_ring(env)
+    limits = Limits(Path(state)) if state else None
+    ledger = Ledger(Path(state), later=_later, log=log) if state else None
     install(
         app,
         lambda inner: Door(
@@ -235,7 +263,7 @@ def install_in_proxy(
             backend_of=runtimes.backend_of if runtimes else None,
             replicas=replicas if runtimes else None,
             readiness=readiness if runtimes else None, pass_through=pass_through,
-            runtimes_of=runtimes_of,
+            runtimes_of=runtimes_of, keys=keys, limits=limits, ledger=ledger,
         ),
     )  # fmt: skip
     give_large_blocks_back()

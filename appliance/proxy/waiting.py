@@ -197,6 +197,8 @@ class Turnstile:
             if start is not None:
                 self.waiting.pop(me, None)
                 self._count(now=-1)
+                if ticket is not None:
+                    ticket.queued_s += self.clock() - start
 
     def _count(self, now: int = 0, total: int = 0, timed_out: int = 0) -> None:
         self.counts.now += now

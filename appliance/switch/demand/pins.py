@@ -28,14 +28,15 @@ class Pin:
         return max(0.0, self.until - now)
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, option: str = "--pin", most_s: float = MOST_S) -> float:
     """Seconds from "90", "90s", "30m", "2h" or "1d"."""
     match = DURATION_RE.fullmatch(text.strip())
     seconds = float(match.group(1)) * UNITS_S[match.group(2)] if match else 0.0
-    if not match or not 0 < seconds <= MOST_S:
+    if not match or not 0 < seconds <= most_s:
         raise ApplianceError(
-            f"--pin {text!r} is not a duration the appliance takes",
-            hint="a number with s, m, h or d, from 1 s to 30 d: e.g. --pin 30m, --pin 2h",
+            f"{option} {text!r} is not a duration the appliance takes",
+            hint=f"a number with s, m, h or d, from 1 s to {most_s / 86400:g} d: e.g. "
+            f"{option} 30m, {option} 2h",
             code="usage_error",
             exit_code=2,
         )
