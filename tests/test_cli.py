@@ -27,6 +27,7 @@ def test_the_public_commands() -> None:
         "gate",
         "gpu",
         "install",
+        "keys",
         "logs",
         "monitor",
         "plan",
@@ -35,6 +36,7 @@ def test_the_public_commands() -> None:
         "switch",
         "uninstall",
         "unpin",
+        "usage",
     ]
 
 
@@ -86,6 +88,11 @@ ARGS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("gpu",): (),
     ("gpu", "wait-free"): ("--need-gib", "1", "--timeout", "0"),
     ("install",): (),
+    ("keys",): (),
+    ("keys", "add"): ("alice",),
+    ("keys", "list"): (),
+    ("keys", "revoke"): ("alice",),
+    ("keys", "rotate"): ("alice",),
     ("logs",): ("vllm",),
     ("monitor",): ("--once",),
     ("plan",): ("CONFIG_JSON",),
@@ -94,6 +101,7 @@ ARGS: dict[tuple[str, ...], tuple[str, ...]] = {
     ("switch",): ("vllm",),
     ("uninstall",): (),
     ("unpin",): (),
+    ("usage",): (),
     ("unit",): (),
     ("unit", "pre"): ("--port", "1"),
     ("unit", "ready"): ("--url", "http://127.0.0.1:1", "--engine", "llamacpp", "--pid", "4194304"),
@@ -168,8 +176,9 @@ def test_every_command_with_json_prints_the_envelope_on_broken_input(
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     args = [a if a != "CONFIG_JSON" else str(broken["plan"]) for a in ARGS[command]]
     argv = ["--user", "--config", str(broken[config_name]), *command, *args, "--json"]
-    if command in {("unit",)}:
-        argv = ["unit", "--json"]  # a group without a command of its own: a usage error
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    if command in {("unit",), ("keys",)}:
+        argv = [command[0], "--json"]  # a group without a command of its own: a usage error
     out = _in_process(argv, monkeypatch, capsys)
     doc = _envelope(out)
     if command in {("gpu",), ("gpu", "wait-free"), ("unit", "pre")}:

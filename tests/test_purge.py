@@ -16,6 +16,10 @@ def appliance_files(state: Path) -> None:
     held.mkdir()
     for name in ("4242.json", "4242-8001.json", "open", "open-8000", ".open-8000.00112233aabb"):
         (held / name).write_text("1")
+    for folder, names in (("usage", ["4242.jsonl"]), ("keys", ["alice.json", "alice.lock"])):
+        (held / folder).mkdir()
+        for name in names:
+            (held / folder / name).write_text("1")
 
 
 def test_the_owners_models_and_notes_stay(tmp_path: Path) -> None:

@@ -69,6 +69,7 @@ def add(
     from appliance import people
 
     ctx.require_root("keys add")
+    ctx.config()  # the appliance it is: a broken config is said, not passed over
     problem = people.name_problem(name)
     if problem is not None:
         raise ApplianceError(problem, hint="e.g. `b70ctl keys add alice`", code="usage_error",
@@ -102,6 +103,7 @@ def rotate(ctx: Context, name: str) -> None:
     from appliance import people
 
     ctx.require_root("keys rotate")
+    ctx.config()  # the appliance it is: a broken config is said, not passed over
     secret = people.new_secret()
     with _editing(ctx) as everyone:
         _known(everyone, name)
@@ -122,6 +124,7 @@ def revoke(ctx: Context, name: str) -> None:
       sudo b70ctl keys revoke alice
     """
     ctx.require_root("keys revoke")
+    ctx.config()  # the appliance it is: a broken config is said, not passed over
     with _editing(ctx) as everyone:
         _known(everyone, name)
         del everyone[name]
@@ -140,6 +143,7 @@ def list_keys(ctx: Context) -> None:
     from appliance import people
 
     ctx.require_root("keys list")  # the file is the proxy's and root's alone
+    ctx.config()  # the appliance it is: a broken config is said, not passed over
     try:
         everyone = people.read_keys(_state_dir(ctx))
     except people.KeysUnreadable as e:
@@ -165,6 +169,7 @@ def usage(ctx: Context, since: str | None) -> None:
     from appliance import usage as usage_mod
     from appliance.switch.demand.pins import parse_duration
 
+    ctx.config()  # the appliance it is: a broken config is said, not passed over
     start = None
     if since is not None:
         start = time.time() - parse_duration(since, "--since", USAGE_MOST_S)

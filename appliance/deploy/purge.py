@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import hold, layout
+from appliance import hold, layout, people, usage
 from appliance.switch.demand.pins import PIN_FILE
 
 # The state directory's files, each made by the appliance (appliance.layout, appliance.hold).
@@ -25,11 +25,19 @@ STATE_FILES = frozenset(
         hold.HOLD_FILE,
         hold.DEMAND_FILE,
         PIN_FILE,
+        people.KEYS_FILE,
+        people.KEYS_LOCK,
     }
 )
 # In the proxy's folder of held requests: a file per worker and runtime port (PID.json,
 # PID-PORT.json) and the open counts.
 HELD_FILE = re.compile(rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?)")
+# ... and its folders: each worker's usage per key (appliance.usage), each limited key's counts
+# (appliance.proxy.share.limits, whose folder name is the proxy's own: "keys").
+HELD_FOLDERS = {
+    usage.USAGE_DIR: re.compile(r"\d+\.jsonl"),
+    "keys": re.compile(rf"{people.NAME.pattern}\.(json|lock)"),
+}
 # A file being replaced when its writer died: `.NAME.` and 12 hex digits (hold.create_beside).
 TEMPORARY = re.compile(r"\.(?P<name>.+)\.[0-9a-f]{12}")
 
@@ -58,6 +66,11 @@ def purge_state(state_dir: Path) -> Purged:
         return out
     held = state_dir / hold.HELD_DIR
     if held.is_dir() and not held.is_symlink():
+        for name, pattern in HELD_FOLDERS.items():
+            inner = held / name
+            if inner.is_dir() and not inner.is_symlink():
+                _remove(inner, pattern, out)
+                _remove_folder(inner, out)
         _remove(held, HELD_FILE, out)
         _remove_folder(held, out)
     _remove(state_dir, STATE_FILES, out)

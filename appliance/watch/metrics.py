@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from appliance import hold
+from appliance import hold, usage
 from appliance.config import Config
 from appliance.switch.demand.queues import demand_view
 from appliance.switch.records import read_history
@@ -34,6 +34,7 @@ class Exporter(Collector):
         self.snapshot: dict[str, Any] = {}
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        self.totals: usage.Totals | None = None  # each key's use, read on from where it was
 
     def update(
         self,
@@ -48,6 +49,8 @@ class Exporter(Collector):
         """One sample: every runtime observed (several serve side by side on their own cards),
         the monitor's counters `m`, and each runtime's own memory in `watched`."""
         total, failed, last, reasons = switch_counts(state_dir)
+        if self.totals is None:
+            self.totals = usage.Totals(state_dir)
         self.snapshot = {
             "observed": [o for o in observed if o.runtime is not None],
             "m": m,
@@ -61,6 +64,7 @@ class Exporter(Collector):
             "held": hold.read_counts(state_dir),
             "reasons": reasons,
             "demand": demand_view(self.config, state_dir, last),
+            "keys": dict(self.totals()),
         }
 
     def collect(self) -> Iterator[Any]:
@@ -71,6 +75,7 @@ class Exporter(Collector):
         yield from self._switches(s)
         yield from self._requests(s)
         yield from self._demand(s)
+        yield from self._keys(s)
         yield from self._vram(s)
 
     def _runtimes(self, s: dict[str, Any]) -> Iterator[Any]:
@@ -210,6 +215,35 @@ class Exporter(Collector):
         for r in d["refused"]:
             refused.add_metric([str(r.get("runtime"))], float(r["left_s"]))
         yield refused
+
+    def _keys(self, s: dict[str, Any]) -> Iterator[Any]:
+        """Who used what, per key name (`b70ctl keys`; the master key is "master"), since the
+        usage files began (31 days are kept)."""
+        families = {
+            "requests": CounterMetricFamily(
+                "b70_key_requests", "Requests to the model, per key", labels=["key"]
+            ),
+            "tokens": CounterMetricFamily(
+                "b70_key_tokens",
+                "Tokens in and out as the runtimes counted them, per key",
+                labels=["key", "direction"],
+            ),
+            "queued": CounterMetricFamily(
+                "b70_key_queued_seconds",
+                "Time requests waited at the door, per key",
+                labels=["key"],
+            ),
+            "limited": CounterMetricFamily(
+                "b70_key_limited", "Requests refused 429 by their key's limits", labels=["key"]
+            ),
+        }
+        for name, use in sorted(s.get("keys", {}).items()):
+            families["requests"].add_metric([name], float(use.requests))
+            families["tokens"].add_metric([name, "in"], float(use.tokens_in))
+            families["tokens"].add_metric([name, "out"], float(use.tokens_out))
+            families["queued"].add_metric([name], use.queued_s)
+            families["limited"].add_metric([name], float(use.limited))
+        yield from families.values()
 
     def _vram(self, s: dict[str, Any]) -> Iterator[Any]:
         total = GaugeMetricFamily("b70_vram_total_bytes", "GPU memory", labels=["device"])

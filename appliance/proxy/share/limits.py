@@ -49,17 +49,19 @@ class Limits:
             asked = [t for t in record["asked"] if t > now - WINDOW_S]
             spent = [(t, n) for t, n in record["spent"] if t > now - WINDOW_S]
             record["asked"], record["spent"] = asked, spent
+            name = person.name
             if person.max_parallel is not None and running >= person.max_parallel:
-                raise too_many(person, f"{running} requests at once, its most", 1)
+                what = f"has {running} of its {person.max_parallel} requests at once open already"
+                raise too_many(name, what, "max_parallel", 1)
             if person.rpm is not None and len(asked) >= person.rpm:
                 wait = asked[len(asked) - person.rpm] + WINDOW_S - now
-                raise too_many(person, f"{len(asked)} requests in the last minute, its most", wait)
+                what = f"sent {len(asked)} requests in the last minute, its most"
+                raise too_many(name, what, f"rpm {person.rpm}", wait)
             used = sum(n for _, n in spent)
             if person.tpm is not None and used >= person.tpm:
                 wait = _until_below(spent, used - person.tpm, now)
-                raise too_many(
-                    person, f"{used} tokens in the last minute, over its", wait, person.tpm
-                )
+                what = f"used {used} tokens in the last minute, over its {person.tpm}"
+                raise too_many(name, what, "tpm", wait)
             asked.append(now)
             record["open"][self.me] = record["open"].get(self.me, 0) + 1
 
@@ -91,14 +93,11 @@ class Limits:
             os.close(fd)
 
 
-def too_many(person: Person, what: str, wait_s: float, most: int | None = None) -> Refusal:
-    limit = {"max_parallel": person.max_parallel, "rpm": person.rpm, "tpm": person.tpm}
-    shown = ", ".join(f"{k} {v}" for k, v in limit.items() if v is not None)
+def too_many(name: str, what: str, limit: str, wait_s: float) -> Refusal:
     after = max(1, math.ceil(wait_s))
-    most_text = f" {most}" if most is not None else ""
     return Refusal(
-        429, f"the key {person.name!r} has {what}{most_text} ({shown}; `b70ctl keys list`). "
-        f"Retry after {after} s.", "b70_key_limit", kind="rate_limit_exceeded",
+        429, f"the key {name!r} {what} ({limit}; `b70ctl keys list` shows its limits). Retry "
+        f"after {after} s.", "b70_key_limit", kind="rate_limit_exceeded",
         headers={"Retry-After": str(after)},
     )  # fmt: skip
 

@@ -1,0 +1,177 @@
+"""Keys for people on the real appliance: `b70ctl keys` under a real user manager, the real
+LiteLLM proxy's door taking them, the OpenAI and Anthropic SDKs as the clients, and `b70ctl usage`
+and the monitor's metrics saying who used what."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+import tomllib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import Appliance
+
+pytestmark = pytest.mark.real
+
+
+def _client(app: Appliance, key: str) -> Any:
+    import openai
+
+    url = f"http://127.0.0.1:{app.proxy_port}/v1"
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=120)
+
+
+def _chat(client: Any, stream: bool = False, max_tokens: int = 8) -> Any:
+    return client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Say hi."}],
+        max_tokens=max_tokens, temperature=0, stream=stream,
+    )  # fmt: skip
+
+
+def _wait_for(check: Any, seconds: float = 15.0) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            result = check()
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        return result
+
+
+@pytest.fixture
+def keys(appliance: Appliance) -> Iterator[dict[str, str]]:
+    """Keys made with `b70ctl keys add`, revoked after the test."""
+    made: dict[str, str] = {}
+    yield made
+    for name in made:
+        appliance.b70ctl("keys", "revoke", name)
+
+
+def _add(app: Appliance, made: dict[str, str], name: str, *limits: str) -> str:
+    doc = app.json("keys", "add", name, *limits)
+    assert doc["ok"], doc
+    made[name] = doc["result"]["key"]
+    return made[name]
+
+
+def _usage(app: Appliance, name: str) -> dict[str, Any]:
+    rows = {r["key"]: r for r in app.json("usage", "--since", "1h")["result"]["keys"]}
+    assert name in rows, rows
+    return rows[name]
+
+
+def test_a_persons_key_works_through_the_sdks_and_its_use_is_counted(
+    appliance: Appliance, keys: dict[str, str]
+) -> None:
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    import openai
+
+    secret = _add(appliance, keys, "alice")
+    client = _client(appliance, secret)
+    started = time.monotonic()
+    reply = _wait_for(lambda: _chat(client))  # the door sees the new key within a second
+    seen_s = time.monotonic() - started
+    assert reply.usage.prompt_tokens > 0
+    chunks = list(_chat(client, stream=True, max_tokens=16))
+    # The door asked the stream for its usage; the client, who did not, gets no chunk for it
+    assert chunks and all(c.choices for c in chunks), chunks[-1]
+    import anthropic
+
+    messages = anthropic.Anthropic(
+        base_url=f"http://127.0.0.1:{appliance.proxy_port}", api_key=secret, max_retries=0
+    ).messages.create(model="smollm2", max_tokens=8,
+                      messages=[{"role": "user", "content": "Say hi."}])  # fmt: skip
+    assert messages.usage.output_tokens > 0
+
+    def counted() -> dict[str, Any]:
+        row = _usage(appliance, "alice")
+        assert row["requests"] >= 3 and row["out"] >= reply.usage.completion_tokens + 16, row
+        assert row["in"] >= reply.usage.prompt_tokens * 2, row
+        return row
+
+    row = _wait_for(counted)
+    monitor_port = tomllib.loads(appliance.config.read_text())["monitor"]["port"]
+
+    def exported() -> None:
+        text = httpx.get(f"http://127.0.0.1:{monitor_port}/metrics", timeout=10).text
+        assert 'b70_key_requests_total{key="alice"}' in text, text[-2000:]
+        assert 'b70_key_tokens_total{direction="out",key="alice"}' in text
+
+    _wait_for(exported, 30)
+    assert secret not in appliance.b70ctl("keys", "list").stdout
+    appliance.b70ctl("keys", "revoke", "alice", check=True)
+    del keys["alice"]
+    started = time.monotonic()
+
+    def refused() -> None:
+        try:
+            _chat(client)
+        except openai.AuthenticationError as e:
+            assert "nor one that `b70ctl keys` made" in str(e)
+            return
+        raise AssertionError("a revoked key still passes")
+
+    _wait_for(refused)
+    print(f"\nnew key taken after {seen_s:.2f} s, revoked after {time.monotonic() - started:.2f} s;"
+          f" usage: {row}")  # fmt: skip
+
+
+def test_a_key_over_its_limit_gets_429_with_retry_after(
+    appliance: Appliance, keys: dict[str, str]
+) -> None:
+    import openai
+
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    secret = _add(appliance, keys, "bob", "--max-parallel", "1", "--rpm", "3")
+    client = _client(appliance, secret)
+    _wait_for(lambda: _chat(client))
+    long = client.chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Tell a long story."}],
+        max_tokens=200, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    first = next(iter(long))  # bob's one request at once runs
+    with pytest.raises(openai.RateLimitError) as refused:
+        _chat(client)
+    assert refused.value.response.headers["retry-after"] == "1"
+    assert "has 1 of its 1 requests at once open" in str(refused.value)
+    assert first is not None and sum(1 for _ in long) > 0
+    _chat(client)  # the third in this minute
+    with pytest.raises(openai.RateLimitError) as refused:
+        _chat(client)
+    wait = int(refused.value.response.headers["retry-after"])
+    assert 1 <= wait <= 60 and "sent 3 requests in the last minute" in str(refused.value)
+
+    def limited_twice() -> dict[str, Any]:
+        row = _usage(appliance, "bob")
+        assert row["limited"] >= 2, row
+        return row
+
+    row = _wait_for(limited_twice)
+    assert row["limited"] == 2 and row["requests"] == 3, row
+
+
+def test_a_bad_key_of_any_shape_is_a_quick_401(appliance: Appliance) -> None:
+    url = f"http://127.0.0.1:{appliance.proxy_port}/v1/chat/completions"
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    shapes = {
+        "wrong": b"sk-b70-wrong",
+        "not ascii": "sk-ключ".encode(),
+        "long": b"k" * 12_000,
+    }
+
+    def one(key: bytes) -> httpx.Response:
+        headers = [(b"authorization", b"Bearer " + key), (b"content-type", b"application/json")]
+        return httpx.post(url, json=body, headers=headers, timeout=30)
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        answers = dict(zip(shapes, pool.map(one, shapes.values()), strict=True))
+    for shape, answer in answers.items():
+        assert answer.status_code == 401, (shape, answer.text)
+        assert answer.headers["www-authenticate"] == "Bearer", shape
