@@ -326,6 +326,16 @@ REACH = [
         "proxy.pass_through: must be true or false, not a string ('no')",
     ),
     (
+        "fair turns that are not a boolean",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = 1'),
+        "proxy.fair: must be true or false",
+    ),
+    (
+        "a batch wait below zero",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nbatch_wait_s = -1'),
+        "proxy.batch_wait_s",
+    ),
+    (
         "no body at all",
         GOOD.replace('model = "smollm2"', 'model = "smollm2"\nmax_body_mib = 0'),
         "proxy.max_body_mib: 0.0 must be greater than 0",

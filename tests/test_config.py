@@ -129,6 +129,30 @@ def test_numbers_in_range_and_names_that_pass() -> None:
     assert rt.args[1] == '{% if x %}$HOME \\ "q" ; caf\u00e9'
 
 
+def test_fair_turns_know_each_runtimes_slots_unless_the_config_turns_them_off() -> None:
+    """vLLM's --max-num-seqs (its default without it), llama.cpp's --parallel (its /props says
+    it without): B70_SLOTS; off, B70_FAIR=0 and no slots."""
+    from appliance.layout import Scope, layout
+    from appliance.units.render import proxy_environment
+    from appliance.units.runtimes import VLLM_MAX_NUM_SEQS
+
+    on = config.parse(GOOD, Path("t"))
+    env = proxy_environment(on, layout(Scope.USER))
+    assert "B70_FAIR" not in env and env["B70_BATCH_WAIT_S"] == "30"
+    words = dict(w.split("=") for w in env["B70_SLOTS"].split())
+    ports = {rt.engine.value: rt.port for rt in on.runtimes.values()}
+    assert words[f"{ports['vllm']}/vLLM"] == str(VLLM_MAX_NUM_SEQS)
+    seqs = GOOD.replace(
+        'model = "/models/hf"', 'model = "/models/hf"\nargs = ["--max-num-seqs=12"]'
+    )
+    env = proxy_environment(config.parse(seqs, Path("t")), layout(Scope.USER))
+    assert f"{ports['vllm']}/vLLM=12" in env["B70_SLOTS"].split(), env["B70_SLOTS"]
+    off = config.parse(GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = false'),
+                       Path("t"))  # fmt: skip
+    env = proxy_environment(off, layout(Scope.USER))
+    assert env["B70_FAIR"] == "0" and "B70_SLOTS" not in env
+
+
 def test_the_pass_through_is_on_unless_the_config_turns_it_off() -> None:
     """Off, the proxy unit says so (B70_PASS_THROUGH=0); on, the rendered units are as before."""
     from appliance.layout import Scope, layout

@@ -81,6 +81,11 @@ class ProxyConfig:
     # (appliance/proxy/relay.py); false: LiteLLM's chat and completion routes, which do more
     # work per request and per chunk.
     pass_through: bool = True
+    # When the runtime runs as many requests as it can, the rest wait at the door in one queue
+    # per key, served in fair order (appliance/proxy/share/turns.py); false: they go to the
+    # runtime as they come, which serves them first come, first served.
+    fair: bool = True
+    batch_wait_s: float = 30.0  # a batch key's request waiting this long goes before interactive
 
 
 @dataclass(frozen=True)

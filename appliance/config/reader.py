@@ -210,6 +210,8 @@ class _Reader(CardKeys, ServingKeys):
             "litellm",
             "max_body_mib",
             "pass_through",
+            "fair",
+            "batch_wait_s",
         }
         self.known(t, p, allowed)
         model = self.get(t, "model", p, str, "b70", check_model_name)
@@ -230,6 +232,8 @@ class _Reader(CardKeys, ServingKeys):
             # 8 MiB holds a whole 131072-token context as text several times over, and a few
             # images as data URLs.
             pass_through=self.get(t, "pass_through", p, bool, True),
+            fair=self.get(t, "fair", p, bool, True),
+            batch_wait_s=self.get(t, "batch_wait_s", p, float, 30.0, check_range(0, HOUR_S)),
             max_body_bytes=int(
                 self.get(t, "max_body_mib", p, float, 8.0, check_range(0, 1024, low_open=True))
                 * MIB

@@ -33,6 +33,7 @@ class Facts:
     engine: str  # "vLLM" or "llama.cpp": the name clients see in errors
     context: int  # tokens one request may use, prompt and answer together
     model: str  # the name the runtime serves
+    slots: int | None = None  # requests it runs at once, when it says (llama.cpp's /props)
 
 
 def client_for(url: str, **options: Any) -> httpx.AsyncClient:
@@ -120,8 +121,11 @@ class Backend:
         if served.get("owned_by") == "llamacpp":
             props = await self.client.get("/props")
             props.raise_for_status()
-            context = int(props.json()["default_generation_settings"]["n_ctx"])
-            return Facts("llama.cpp", context, str(served["id"]))
+            said = props.json()
+            context = int(said["default_generation_settings"]["n_ctx"])
+            slots = said.get("total_slots")
+            slots = slots if isinstance(slots, int) and slots > 0 else None
+            return Facts("llama.cpp", context, str(served["id"]), slots)
         return None
 
     async def count_tokens(self, facts: Facts, kind: str, body: Mapping[str, Any]) -> int | None:

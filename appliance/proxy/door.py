@@ -57,7 +57,7 @@ import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from appliance import hold
 from appliance.people import MASTER_KEY, KeyRing, Person
@@ -77,12 +77,15 @@ from appliance.proxy.relay import (
     resend,
     runtime_gone,
 )
+from appliance.proxy.share.fair import Fair, Turn
 from appliance.proxy.share.limits import Limits
 from appliance.proxy.share.meter import Meter, ask_usage
+from appliance.proxy.share.turns import cost_of
 from appliance.proxy.waiting import HoldTimeout
 from appliance.usage import Ledger, Use
 
 Scope = Mapping[str, Any]
+T = TypeVar("T")
 # Holds a request while the runtime cannot take it (raises HoldTimeout when the hold time runs
 # out). The token is the request's hold token (a switch's own request passes the switch's hold).
 Hold = Callable[[str | None], Awaitable[float]]
@@ -220,6 +223,7 @@ class Door:
         keys: KeyRing | None = None,
         limits: Limits | None = None,
         ledger: Ledger | None = None,
+        fair: Fair | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
@@ -231,6 +235,7 @@ class Door:
         self.keys = keys if keys is not None else KeyRing(None, key)
         self.limits = limits  # the limits of people's keys (None: none are kept)
         self.ledger = ledger  # where each key's use is written (None: nowhere)
+        self.fair = fair  # fair turns when the runtime is full (None: as they come, [proxy] fair)
         self.max_body_bytes = max_body_bytes
         self.wait_ready = wait_ready
         self.hold_s = hold_s
@@ -296,7 +301,14 @@ class Door:
         ticket.tokens = max(0, checked.tokens)
         context = hold.TICKET.set(ticket)
         meter = Meter(send, strip=checked.strip_usage)
+        turn: Turn | None = None
         try:
+            if self.takes_turns(checked, token):
+                taken = await self.take_turn(checked, receive, arrived, ticket)
+                if isinstance(taken, Refusal):
+                    await taken.send(meter)
+                    return
+                turn = taken
             sent = await self.fast(scope, checked, receive, meter, token, arrived)
             if sent is not None:
                 await resend(self.app, scope, checked.body, receive, meter, arrived, self.hold_s,
@@ -304,12 +316,40 @@ class Door:
         except _Disconnected:
             pass  # the client left while its request waited: nothing to answer
         finally:
+            Fair.leave(turn)
             ticket.close()
             hold.TICKET.reset(context)
             tokens = meter.tokens_in + meter.tokens_out
             if self.limits is not None:
                 self.limits.done(person, tokens)
             self.count(person, Use(1, meter.tokens_in, meter.tokens_out, ticket.queued_s))
+
+    def takes_turns(self, checked: Checked, token: str | None) -> bool:
+        """Whether the request waits its turn when the runtime is full: not a switch's own
+        (its hold token), nor one for a name with several deployments (replicas on several
+        cards, peers), which the router spreads."""
+        if self.fair is None or token is not None:
+            return False
+        return self.direct_to is None or self.direct_to(checked.model) is not None
+
+    async def take_turn(
+        self, checked: Checked, receive: Receive, arrived: float, ticket: hold.Ticket
+    ) -> Turn | Refusal | None:
+        """The request's turn among those the runtime runs (appliance.proxy.share.fair): at
+        once while it has room, else after those before it in fair order; the hold's time
+        counts, and a client that leaves frees its place."""
+        assert self.fair is not None
+        limit = self.hold_s - (self.clock() - arrived) if self.hold_s > 0 else None
+        cost = cost_of(len(checked.body), checked.tokens)
+        started = self.clock()
+        try:
+            return await unless_left(
+                self.fair.enter(checked.person, checked.backend, cost, limit), receive
+            )
+        except HoldTimeout as e:
+            return hold_timeout(e)
+        finally:
+            ticket.queued_s += self.clock() - started
 
     def count(self, person: Person, use: Use) -> None:
         """A request's use, in its key's usage."""
@@ -563,7 +603,7 @@ async def _engine_now(checked: Checked) -> str | None:
     return facts.engine if facts is not None else None
 
 
-async def unless_left(wait: Awaitable[float], receive: Receive) -> float:
+async def unless_left(wait: Awaitable[T], receive: Receive) -> T:
     """A hold's wait, given up when the client leaves meanwhile (_Disconnected): its place
     among the requests waiting is freed at once, not when the hold time runs out (the switch on
     demand counts those places). The body was read: the client's next message says it left."""

@@ -31,6 +31,7 @@ from appliance.proxy.door import (
     Readiness,
 )
 from appliance.proxy.relay import WaitReady
+from appliance.proxy.share.fair import DEFAULT_BATCH_WAIT_S, Fair, parse_slots
 from appliance.proxy.share.limits import Limits
 from appliance.usage import Ledger
 
@@ -189,6 +190,14 @@ def hold_seconds(env: Mapping[str, str]) -> float:
     return value if math.isfinite(value) and value >= 0 else 300.0
 
 
+def batch_wait_s(env: Mapping[str, str]) -> float:
+    try:
+        value = float(env.get("B70_BATCH_WAIT_S", str(DEFAULT_BATCH_WAIT_S)))
+    except ValueError:
+        return DEFAULT_BATCH_WAIT_S
+    return value if math.isfinite(value) and value >= 0 else DEFAULT_BATCH_WAIT_S
+
+
 def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
     """Put the door in front of a Starlette app's middleware stack, built or not; once."""
     if getattr(server_app, "_b70_door", False):
@@ -254,6 +263,9 @@ def install_in_proxy(
     keys = key_ring(env)
     limits = Limits(Path(state)) if state else None
     ledger = Ledger(Path(state), later=_later, log=log) if state else None
+    fair = None
+    if state and env.get("B70_FAIR", "1") != "0":
+        fair = Fair(Path(state), parse_slots(env.get("B70_SLOTS", "")), batch_wait_s(env))
     install(
         app,
         lambda inner: Door(
@@ -263,7 +275,7 @@ def install_in_proxy(
             backend_of=runtimes.backend_of if runtimes else None,
             replicas=replicas if runtimes else None,
             readiness=readiness if runtimes else None, pass_through=pass_through,
-            runtimes_of=runtimes_of, keys=keys, limits=limits, ledger=ledger,
+            runtimes_of=runtimes_of, keys=keys, limits=limits, ledger=ledger, fair=fair,
         ),
     )  # fmt: skip
     give_large_blocks_back()

@@ -229,6 +229,11 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         env["B70_PEER_URL"] = " ".join(config.peers.urls)
     if not config.proxy.pass_through:  # every model request LiteLLM's full way (relay.py)
         env["B70_PASS_THROUGH"] = "0"
+    if config.proxy.fair:  # fair turns at a full runtime (appliance/proxy/share/fair.py)
+        env["B70_SLOTS"] = runtimes.slots_text(config)
+        env["B70_BATCH_WAIT_S"] = f"{config.proxy.batch_wait_s:g}"
+    else:
+        env["B70_FAIR"] = "0"
     return env
 
 

@@ -135,3 +135,38 @@ def proxy_url(config: Config) -> str:
     elif ":" in host:
         host = f"[{host}]"
     return f"http://{host}:{config.proxy.port}"
+
+
+# vLLM's default of requests at once for its OpenAI server on a card under 70 GiB (vLLM 0.32,
+# EngineArgs.get_batch_defaults; its CPU build takes 128 per CPU rank).
+VLLM_MAX_NUM_SEQS = 256
+SLOT_FLAGS = {Engine.VLLM: ("--max-num-seqs",), Engine.LLAMACPP: ("--parallel", "-np")}
+ENGINE_WORDS = {Engine.VLLM: "vLLM", Engine.LLAMACPP: "llama.cpp"}  # as the door names them
+
+
+def slots_of(runtime: RuntimeConfig) -> int | None:
+    """Requests the runtime runs at once, as its arguments say (vLLM's default when they do not);
+    None for llama.cpp without `--parallel` (or auto), whose /props says it."""
+    args = list(runtime.args)
+    found: str | None = None
+    for i, arg in enumerate(args):
+        for flag in SLOT_FLAGS[runtime.engine]:
+            if arg == flag and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(flag + "="):
+                found = arg.split("=", 1)[1]
+    if found is not None and found.isdigit() and int(found) > 0:
+        return int(found)
+    return VLLM_MAX_NUM_SEQS if runtime.engine is Engine.VLLM else None
+
+
+def slots_text(config: Config) -> str:
+    """B70_SLOTS for the proxy's fair turns: "PORT/ENGINE=N ...", the fewest where runtimes of
+    one engine share a port (appliance/proxy/share/fair.py)."""
+    out: dict[str, int] = {}
+    for _, rt in sorted(config.runtimes.items()):
+        n = slots_of(rt)
+        if n is not None:
+            key = f"{rt.port}/{ENGINE_WORDS[rt.engine]}"
+            out[key] = min(n, out.get(key, n))
+    return " ".join(f"{k}={v}" for k, v in sorted(out.items()))

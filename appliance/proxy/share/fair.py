@@ -1,0 +1,182 @@
+"""The door's fair turns, in one proxy worker: a request takes its turn (`Fair.enter`) before it
+is sent to the runtime and gives it back when its answer ends (`Fair.leave`), through the record
+the workers share (appliance.proxy.share.turns).
+
+How the door knows how many requests the runtime runs at once:
+- llama.cpp says it: `total_slots` in its /props, asked with its context (`--parallel`, or the
+  slots it chose itself when `--parallel` is auto);
+- vLLM does not say it over HTTP: the renderer reads `--max-num-seqs` from the runtime's
+  arguments, or takes vLLM's default (256 on a card under 70 GiB, vLLM 0.32's
+  `EngineArgs.get_batch_defaults`), and hands it to the proxy as B70_SLOTS ("PORT/ENGINE=N ...").
+Until the runtime has said what it is (down, loading), requests take no turn: the hold keeps
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+
+from appliance.hold import start_time
+from appliance.people import Person
+from appliance.proxy.asgi import log
+from appliance.proxy.backend import Backend
+from appliance.proxy.share.turns import POLL_S, Entry, Record, fill
+from appliance.proxy.waiting import HoldTimeout
+
+DEFAULT_BATCH_WAIT_S = 30.0
+
+
+def parse_slots(text: str) -> dict[tuple[int, str], int]:
+    """B70_SLOTS: "8001/vLLM=256 8002/llama.cpp=4" -> {(8001, "vLLM"): 256, ...}."""
+    out: dict[tuple[int, str], int] = {}
+    for word in text.split():
+        where, _, n = word.partition("=")
+        port, _, engine = where.partition("/")
+        if port.isdigit() and engine and n.isdigit() and int(n) > 0:
+            out[(int(port), engine)] = int(n)
+    return out
+
+
+class Turn:
+    """A request's place among those running: given back once (`Fair.leave`)."""
+
+    def __init__(self, share: Share, entry_id: str) -> None:
+        self.share, self.id = share, entry_id
+
+
+class Share:
+    """The turns of one runtime port, as this worker takes them."""
+
+    def __init__(self, state_dir: Path, port: int | None, batch_wait_s: float) -> None:
+        self.record = Record(state_dir, port)
+        self.batch_wait_s = batch_wait_s
+        self.waiters: dict[str, asyncio.Future[None]] = {}
+        self.entries: dict[str, Entry] = {}
+        self.slots = 1
+        self.poller: asyncio.Task[None] | None = None
+        pid = os.getpid()
+        self.me = f"{pid}:{start_time(pid)}"
+        self.numbers = itertools.count()
+
+    async def enter(
+        self, key: str, priority: str, cost: int, slots: int, limit_s: float | None
+    ) -> Turn:
+        """Run now if fewer than `slots` run, else wait for a turn (HoldTimeout after `limit_s`;
+        None: no limit). A request cancelled while it waits (its client left) leaves its place."""
+        self.slots = slots
+        entry = Entry(f"{self.me}:{next(self.numbers)}", key, priority, cost, time.time())
+        with self.record.open() as turns:
+            turns.waiting.append(entry)
+            admitted = fill(turns, slots, entry.since, self.batch_wait_s)
+        self._wake(admitted)
+        if any(e.id == entry.id for e in admitted):
+            return Turn(self, entry.id)
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters[entry.id], self.entries[entry.id] = waiter, entry
+        if self.poller is None or self.poller.done():
+            self.poller = asyncio.ensure_future(self._poll())
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(
+                asyncio.shield(waiter), None if limit_s is None else max(0.0, limit_s)
+            )
+        except BaseException as e:
+            self.waiters.pop(entry.id, None)
+            self.entries.pop(entry.id, None)
+            self._give_up(entry.id)
+            if isinstance(e, TimeoutError):
+                raise HoldTimeout(
+                    f"the runtime runs {slots} requests at once and this one waited its turn",
+                    time.monotonic() - started, retry_after_s=5,
+                ) from None  # fmt: skip
+            raise
+        return Turn(self, entry.id)
+
+    def leave(self, turn: Turn) -> None:
+        with self.record.open() as turns:
+            turns.running.pop(turn.id, None)
+            admitted = fill(turns, self.slots, time.time(), self.batch_wait_s)
+        self._wake(admitted)
+
+    def _give_up(self, entry_id: str) -> None:
+        """A waiting request that will not run: out of the queue, or, if it was just admitted,
+        its place passed on."""
+        with self.record.open() as turns:
+            turns.waiting = [e for e in turns.waiting if e.id != entry_id]
+            admitted = []
+            if turns.running.pop(entry_id, None) is not None:
+                admitted = fill(turns, self.slots, time.time(), self.batch_wait_s)
+        self._wake(admitted)
+
+    def _wake(self, admitted: list[Entry]) -> None:
+        for e in admitted:
+            waiter = self.waiters.pop(e.id, None)
+            self.entries.pop(e.id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def _poll(self) -> None:
+        """While requests of this worker wait: whether another worker admitted one, and places
+        freed by workers that died or by a change of the runtime's slots."""
+        while self.waiters:
+            await asyncio.sleep(POLL_S)
+            with self.record.open() as turns:
+                admitted = fill(turns, self.slots, time.time(), self.batch_wait_s)
+                admitted += [turns.running[i] for i in self.waiters if i in turns.running]
+                known = set(turns.running) | {e.id for e in turns.waiting}
+                for lost in [i for i in self.waiters if i not in known]:
+                    turns.waiting.append(self.entries[lost])  # a record begun again: back in line
+            self._wake(admitted)
+
+
+class Fair:
+    """The turns of every runtime port, in this worker."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        slots: Mapping[tuple[int, str], int],
+        batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+    ) -> None:
+        self.state_dir = state_dir
+        self.configured = dict(slots)
+        self.batch_wait_s = batch_wait_s
+        self.shares: dict[int | None, Share] = {}
+        self.said: str | None = None
+
+    async def enter(
+        self, person: Person, backend: Backend | None, cost: int, limit_s: float | None
+    ) -> Turn | None:
+        """The request's turn on its runtime; None when the runtime has not said what it is, or
+        the shared record cannot be written (the journal says so, once)."""
+        facts = await backend.facts() if backend is not None else None
+        if backend is None or facts is None:
+            return None
+        port = urllib.parse.urlsplit(backend.url).port
+        slots = facts.slots or self.configured.get((port or 0, facts.engine))
+        if slots is None:
+            return None
+        share = self.shares.get(port)
+        if share is None:
+            share = self.shares[port] = Share(self.state_dir, port, self.batch_wait_s)
+        try:
+            return await share.enter(person.name, person.priority, cost, slots, limit_s)
+        except OSError as e:
+            problem = f"b70: cannot keep fair turns in {self.state_dir}: {e.strerror or e}"
+            if problem != self.said:
+                self.said = problem
+                log(problem + "; requests go to the runtime as they come")
+            return None
+
+    @staticmethod
+    def leave(turn: Turn | None) -> None:
+        if turn is not None:
+            with contextlib.suppress(OSError):  # the record cannot be written: nothing to free
+                turn.share.leave(turn)

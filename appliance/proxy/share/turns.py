@@ -1,0 +1,194 @@
+"""Fair turns at a full runtime: who goes next when the runtime runs as many requests as it can.
+
+The runtime runs `slots` requests at once (llama.cpp's slots, vLLM's `--max-num-seqs`;
+appliance.proxy.share.slots says how the door learns it). While fewer run, a request goes at
+once. Beyond that it waits at the door, in one queue per key, and each freed place goes to the
+request that `pick` chooses:
+
+- interactive keys before batch keys, unless a batch request has waited `batch_wait_s`: then
+  the oldest such goes first, so batch never starves;
+- among the keys of a class, deficit round-robin on tokens (Shreedhar and Varghese, 1995): the
+  key at the front of the ring gets QUANTUM tokens of credit on each visit and sends its oldest
+  request when its credit covers that request's tokens (the prompt's, about 4 bytes a token,
+  and the most it asks of an answer), else the next key is visited. A person with one request
+  waits for one other request at most, not for another person's 64.
+
+The proxy's workers share one record per runtime port (held/turns-PORT.json), read and written
+under an flock: the requests running, those waiting, and the ring and credit of each key. A
+request is admitted by the worker whose request ends (its freed place goes to the next, in any
+worker), and a worker with requests waiting looks every POLL_S whether one was admitted. The
+requests of a worker that died are dropped from the record the next time it is read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from appliance.hold import HELD_DIR, start_time
+from appliance.people import BATCH, INTERACTIVE
+
+QUANTUM = 128  # tokens of credit a key gets on each visit of the ring
+MOST_COST = 1 << 20  # a request's tokens, as the ring counts them, at most
+POLL_S = 0.01
+LIVE_S = 1.0  # how long a worker's liveness, once read from /proc, is trusted
+
+
+@dataclass
+class Entry:
+    """One request that waits or runs."""
+
+    id: str  # worker pid, its start time, and a number of the worker's
+    key: str
+    priority: str  # INTERACTIVE or BATCH
+    cost: int  # tokens, as the ring counts them
+    since: float  # epoch seconds it began to wait
+
+    @property
+    def pid(self) -> int:
+        return int(self.id.split(":", 1)[0])
+
+
+@dataclass
+class Turns:
+    """The record of one runtime port."""
+
+    running: dict[str, Entry] = field(default_factory=dict)
+    waiting: list[Entry] = field(default_factory=list)  # in the order they came
+    ring: dict[str, list[str]] = field(default_factory=dict)  # class -> keys, the front first
+    credit: dict[str, float] = field(default_factory=dict)  # key -> tokens
+    paid: dict[str, bool] = field(default_factory=dict)  # class -> its front has its quantum
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "running": [asdict(e) for e in self.running.values()],
+            "waiting": [asdict(e) for e in self.waiting],
+            "ring": self.ring, "credit": self.credit, "paid": self.paid,
+        }  # fmt: skip
+
+    @staticmethod
+    def of_json(data: Any) -> Turns:
+        running = [Entry(**e) for e in data["running"]]
+        return Turns(
+            {e.id: e for e in running}, [Entry(**e) for e in data["waiting"]],
+            {str(k): [str(x) for x in v] for k, v in data["ring"].items()},
+            {str(k): float(v) for k, v in data["credit"].items()},
+            {str(k): bool(v) for k, v in data["paid"].items()},
+        )  # fmt: skip
+
+
+def pick(turns: Turns, now: float, batch_wait_s: float) -> Entry | None:
+    """The waiting request that goes next, taken out of `waiting` (None: none waits)."""
+    if not turns.waiting:
+        return None
+    aged = [e for e in turns.waiting if e.priority == BATCH and now - e.since >= batch_wait_s]
+    if aged:
+        chosen = min(aged, key=lambda e: e.since)
+    else:
+        interactive = [e for e in turns.waiting if e.priority != BATCH]
+        chosen = _round_robin(turns, INTERACTIVE if interactive else BATCH)
+    turns.waiting.remove(chosen)
+    return chosen
+
+
+def _round_robin(turns: Turns, kind: str) -> Entry:
+    """Deficit round-robin among the keys of `kind` that have requests waiting."""
+    heads: dict[str, Entry] = {}
+    for e in turns.waiting:  # in the order they came: each key's oldest first
+        if (e.priority == BATCH) == (kind == BATCH) and e.key not in heads:
+            heads[e.key] = e
+    ring = [k for k in turns.ring.get(kind, []) if k in heads]
+    ring += [k for k in heads if k not in ring]  # a key that begins to wait joins at the back
+    if not turns.ring.get(kind) or turns.ring[kind][0] != ring[0]:
+        turns.paid[kind] = False  # a new front: its visit has not been paid
+    waiting_keys = {e.key for e in turns.waiting}
+    for key in [k for k in turns.credit if k not in waiting_keys]:
+        del turns.credit[key]  # a key with nothing waiting keeps no credit
+    while True:
+        front = ring[0]
+        if not turns.paid.get(kind):
+            turns.credit[front] = turns.credit.get(front, 0.0) + QUANTUM
+            turns.paid[kind] = True
+        head = heads[front]
+        if turns.credit.get(front, 0.0) >= head.cost:
+            turns.credit[front] -= head.cost
+            turns.ring[kind] = ring
+            return head
+        # Not enough credit for its oldest: the next key's visit. Visits that would pay no one
+        # are skipped whole (every key gets the quanta of the rounds skipped).
+        short = [
+            (heads[k].cost - turns.credit.get(k, 0.0)) / QUANTUM for k in ring
+        ]  # rounds each key lacks
+        rounds = int(min(short)) - 1
+        if rounds > 0:
+            for k in ring:
+                turns.credit[k] = turns.credit.get(k, 0.0) + rounds * QUANTUM
+        ring.append(ring.pop(0))
+        turns.paid[kind] = False
+
+
+def cost_of(body_bytes: int, asked_tokens: int) -> int:
+    """A request's tokens as the ring counts them: its prompt at about 4 bytes a token, and the
+    most it asks of an answer (512 when it does not say)."""
+    return min(MOST_COST, body_bytes // 4 + (asked_tokens if asked_tokens > 0 else 512))
+
+
+# --- the shared record ------------------------------------------------------------------------
+
+
+class Record:
+    """The record of one runtime port, shared by the proxy's workers."""
+
+    def __init__(self, state_dir: Path, port: int | None) -> None:
+        self.path = state_dir / HELD_DIR / f"turns-{port if port is not None else 0}.json"
+        self.live: dict[int, tuple[float, bool]] = {}
+
+    @contextmanager
+    def open(self) -> Iterator[Turns]:
+        """The record, to change in the block; written back when it ends. Requests of workers
+        that are gone are dropped from it first."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            raw = os.pread(fd, os.fstat(fd).st_size, 0)
+            try:
+                turns = Turns.of_json(json.loads(raw)) if raw else Turns()
+            except (ValueError, KeyError, TypeError, AttributeError):
+                turns = Turns()  # cut short by a worker that died writing: begun again
+            self._drop_the_dead(turns)
+            yield turns
+            data = json.dumps(turns.as_json(), separators=(",", ":")).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+
+    def _drop_the_dead(self, turns: Turns) -> None:
+        turns.running = {i: e for i, e in turns.running.items() if self._alive(e.id)}
+        turns.waiting = [e for e in turns.waiting if self._alive(e.id)]
+
+    def _alive(self, entry_id: str) -> bool:
+        pid, started, _ = entry_id.split(":", 2)
+        now = time.monotonic()
+        known = self.live.get(int(pid))
+        if known is None or now - known[0] > LIVE_S:
+            known = (now, start_time(int(pid)) == (started if started != "None" else None))
+            self.live[int(pid)] = known
+        return known[1]
+
+
+def fill(turns: Turns, slots: int, now: float, batch_wait_s: float) -> list[Entry]:
+    """Admit waiting requests while fewer than `slots` run: those admitted."""
+    out = []
+    while len(turns.running) < slots and (chosen := pick(turns, now, batch_wait_s)) is not None:
+        turns.running[chosen.id] = chosen
+        out.append(chosen)
+    return out

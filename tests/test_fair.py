@@ -1,0 +1,157 @@
+"""Fair turns at a full runtime (appliance.proxy.share.turns, .fair): who goes next, as a pure
+choice, and the turns the proxy's workers share through their record; in milliseconds."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from appliance.people import BATCH, INTERACTIVE
+from appliance.proxy.share import fair, turns
+from appliance.proxy.share.turns import Entry, Turns, fill, pick
+from appliance.proxy.waiting import HoldTimeout
+
+
+def _entry(n: int, key: str, cost: int = 100, since: float = 0.0, kind: str = INTERACTIVE) -> Entry:
+    return Entry(f"1:x:{n}", key, kind, cost, since)
+
+
+def _served(t: Turns, picks: int, now: float = 0.0, wait_s: float = 30.0) -> list[str]:
+    out = []
+    for _ in range(picks):
+        chosen = pick(t, now, wait_s)
+        if chosen is None:
+            break
+        out.append(chosen.key)
+    return out
+
+
+def test_one_request_goes_after_at_most_one_of_anothers_many() -> None:
+    t = Turns(waiting=[_entry(i, "heavy", 150, since=i) for i in range(64)])
+    assert _served(t, 3) == ["heavy"] * 3
+    t.waiting.append(_entry(100, "light", 40, since=100))
+    assert "light" in _served(t, 2)
+
+
+def test_keys_share_tokens_not_requests() -> None:
+    """Two keys always waiting, one asking 10 times the tokens of the other: about the same
+    tokens each, so the small one gets about 10 times the requests."""
+    t = Turns(waiting=[_entry(i, "big", 1000, i) for i in range(100)])
+    t.waiting += [_entry(1000 + i, "small", 100, i) for i in range(1000)]
+    served = _served(t, 330)
+    tokens = {k: served.count(k) * (1000 if k == "big" else 100) for k in ("big", "small")}
+    assert 0.8 < tokens["big"] / tokens["small"] < 1.25, tokens
+
+
+def test_three_keys_take_turns_in_a_ring() -> None:
+    t = Turns(
+        waiting=[_entry(i * 3 + j, k, 128, i) for i in range(10) for j, k in enumerate("abc")]
+    )
+    served = _served(t, 9)
+    assert sorted(served[:3]) == ["a", "b", "c"] and sorted(served[3:6]) == ["a", "b", "c"]
+
+
+def test_interactive_goes_before_batch_until_batch_has_waited_its_limit() -> None:
+    t = Turns(waiting=[_entry(1, "nightly", since=0.0, kind=BATCH), _entry(2, "alice", since=5.0)])
+    t.waiting.append(_entry(3, "bob", since=6.0))
+    assert _served(t, 2, now=10.0) == ["alice", "bob"]
+    t.waiting.append(_entry(4, "alice", since=20.0))
+    assert _served(t, 1, now=31.0) == ["nightly"]  # waited 31 s, more than its 30
+    assert _served(t, 1, now=31.0) == ["alice"]
+
+
+def test_fill_admits_up_to_the_slots() -> None:
+    t = Turns(waiting=[_entry(i, "k") for i in range(5)])
+    assert len(fill(t, 2, 0.0, 30.0)) == 2 and len(t.running) == 2 and len(t.waiting) == 3
+    assert fill(t, 2, 0.0, 30.0) == []
+
+
+def test_a_cost_counts_the_prompt_and_the_answer_asked() -> None:
+    assert turns.cost_of(4000, 100) == 1100
+    assert turns.cost_of(40, 0) == 10 + 512
+    assert turns.cost_of(10**9, 10**9) == turns.MOST_COST
+
+
+# --- the shared record and the worker's side --------------------------------------------------
+
+
+def test_the_third_request_waits_for_a_place_and_gets_it_when_one_ends(tmp_path: Path) -> None:
+    async def run() -> None:
+        share = fair.Share(tmp_path, 8001, 30.0)
+        first = await share.enter("heavy", INTERACTIVE, 100, 2, 5.0)
+        await share.enter("heavy", INTERACTIVE, 100, 2, 5.0)
+        third = asyncio.ensure_future(share.enter("light", INTERACTIVE, 10, 2, 5.0))
+        await asyncio.sleep(0.05)
+        assert not third.done()
+        share.leave(first)
+        await asyncio.wait_for(third, 1.0)
+
+    asyncio.run(run())
+
+
+def test_a_place_another_worker_frees_is_seen_by_the_poll(tmp_path: Path) -> None:
+    async def run() -> None:
+        one, other = fair.Share(tmp_path, 8001, 30.0), fair.Share(tmp_path, 8001, 30.0)
+        other.numbers = itertools.count(1000)  # another worker's requests: other numbers
+        running = await one.enter("heavy", INTERACTIVE, 100, 1, 5.0)
+        waiting = asyncio.ensure_future(other.enter("light", INTERACTIVE, 10, 1, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        one.leave(running)  # admits `other`'s request in the record; its poll sees it
+        await asyncio.wait_for(waiting, 1.0)
+
+    asyncio.run(run())
+
+
+def test_a_request_that_waits_too_long_or_is_cancelled_leaves_its_place(tmp_path: Path) -> None:
+    async def run() -> None:
+        share = fair.Share(tmp_path, 8001, 30.0)
+        running = await share.enter("heavy", INTERACTIVE, 100, 1, 5.0)
+        with pytest.raises(HoldTimeout):
+            await share.enter("light", INTERACTIVE, 10, 1, 0.05)
+        gone = asyncio.ensure_future(share.enter("light", INTERACTIVE, 10, 1, 5.0))
+        await asyncio.sleep(0.03)
+        gone.cancel()  # its client left
+        await asyncio.sleep(0.03)
+        record = json.loads(share.record.path.read_text())
+        assert record["waiting"] == [] and len(record["running"]) == 1
+        share.leave(running)
+        assert json.loads(share.record.path.read_text())["running"] == []
+
+    asyncio.run(run())
+
+
+def test_the_places_of_a_worker_that_died_are_freed(tmp_path: Path) -> None:
+    record = turns.Record(tmp_path, 8001)
+    with record.open() as t:  # a worker that is gone (pid 1 never started then)
+        t.running = {"1:0:0": Entry("1:0:0", "ghost", INTERACTIVE, 10, 0.0)}
+        t.waiting = [Entry("1:0:1", "ghost", INTERACTIVE, 10, 0.0)]
+
+    async def run() -> None:
+        share = fair.Share(tmp_path, 8001, 30.0)
+        await asyncio.wait_for(share.enter("alive", INTERACTIVE, 10, 1, 1.0), 1.0)
+
+    asyncio.run(run())
+
+
+def test_a_record_cut_short_begins_again(tmp_path: Path) -> None:
+    record = turns.Record(tmp_path, 8001)
+    record.path.parent.mkdir(parents=True)
+    record.path.write_text('{"running": [')
+
+    async def run() -> None:
+        share = fair.Share(tmp_path, 8001, 30.0)
+        await asyncio.wait_for(share.enter("k", INTERACTIVE, 10, 1, 1.0), 1.0)
+
+    asyncio.run(run())
+
+
+def test_slots_come_from_the_renderers_words() -> None:
+    assert fair.parse_slots("8001/vLLM=256 8002/llama.cpp=4 bad 8003/x=0") == {
+        (8001, "vLLM"): 256,
+        (8002, "llama.cpp"): 4,
+    }
