@@ -40,6 +40,7 @@ function draw() {
   drawJob();
   drawCharts();
   drawSwitches();
+  drawKeys();
   $("journal").textContent = view.journal || "(no runtime serves)";
 }
 
@@ -230,6 +231,18 @@ function drawSwitches() {
     const out = el("td", { class: w.ok ? "ok" : "bad", title: w.error || "" }, outcome);
     if (w.error) out.append(el("div", { class: "dim" }, w.error.split("\n")[0]));
     row.append(out);
+    table.append(row);
+  }
+}
+
+// Who used what in the last hour, per key (b70ctl usage); the master key is "master"
+function drawKeys() {
+  const table = $("keys");
+  table.querySelectorAll("tr.key").forEach((r) => r.remove());
+  for (const k of view.keys || []) {
+    const row = el("tr", { class: "key", "data-key": k.key });
+    row.append(el("td", {}, k.key), el("td", {}, String(k.requests)), el("td", {}, String(k.in)),
+      el("td", {}, String(k.out)), el("td", {}, secs(k.queued_s)), el("td", { class: k.limited ? "bad" : "" }, String(k.limited)));
     table.append(row);
   }
 }

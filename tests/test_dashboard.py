@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from appliance import hold
+from appliance import hold, usage
 from appliance.config import parse
 from appliance.host.gpu import DeviceMemory, Holder, Snapshot
 from appliance.host.gpu.sysfs import Device
@@ -54,6 +54,8 @@ def exported(tmp_path: Path) -> tuple[set[str], set[str]]:
     )
     hold.write_counts(tmp_path, hold.HeldCounts(2, 2, 0), port=8001, oldest=time.time() - 5)
     pins.write_pin(tmp_path, "vllm", 60)
+    ledger = usage.Ledger(tmp_path)
+    ledger.add("alice", usage.Use(3, 30, 90, 1.5, 1))
     refused = {"runtime": "llamacpp", "until": time.time() + 60, "why": "x"}
     hold.write_demand(tmp_path, {"refused": {"8001": refused}})
     cfg = parse(CONFIG, tmp_path / "appliance.toml")
@@ -94,6 +96,9 @@ def test_every_query_names_a_metric_the_monitor_exports(tmp_path: Path) -> None:
         "b70_requests_held",
         "b70_runtime_restarts_total",
         "b70_failovers_total",
+        "b70_key_tokens_total",
+        "b70_key_requests_total",
+        "b70_key_limited_total",
     ):
         assert metric in used, metric
 

@@ -47,6 +47,7 @@ from appliance.layout import Layout, Scope
 from appliance.switch.demand.queues import demand_view
 from appliance.switch.records import read_history
 from appliance.units import systemd
+from appliance.usage import read_usage
 from appliance.watch import samples, status
 
 ASSETS = {"/": ("status.html", "text/html; charset=utf-8"),
@@ -193,6 +194,10 @@ class Page:
             "switching_to": (m.target if (m := hold.read_mark(self.lay.state_dir)) else None),
             "held_now": counts.now,
             "held_total": counts.total,
+            "keys": [  # who used what in the last hour, by key name (never a secret)
+                {"key": name, **use.as_line()}
+                for name, use in sorted(read_usage(self.lay.state_dir, time.time() - 3600).items())
+            ],
             "job": job,
             "journal": journal,
         }

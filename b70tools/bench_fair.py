@@ -1,0 +1,224 @@
+"""Fairness between keys on one runtime (run through scripts/bench-fair).
+
+The demo appliance under a private user manager, llama.cpp serving with `--parallel 2` (two
+requests at once), two keys made with `b70ctl keys add`:
+- heavy keeps STREAMS streamed requests open at all times (each HEAVY_TOKENS tokens with
+  ignore_eos, then the next at once), through the OpenAI SDK;
+- light sends one streamed request every GAP_S seconds (LIGHT_TOKENS tokens), and its time to
+  first token (from its send to its first chunk with text) is taken.
+
+With the fair turns off (`[proxy] fair = false`: the requests go to llama-server as they come,
+which serves them first come, first served) and on (the default), in one run, each for DURATION
+seconds: light alone, heavy alone, then both. Heavy's tokens/s counts the chunks its streams
+receive (one token each) after the first WARMUP_S seconds of a phase. Printed: light's p50 and
+p95 time to first token and heavy's tokens/s, each against its figure alone in the same policy;
+and each key's usage as `b70ctl usage` gives it for the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from b70tools.bench_demand import CACHE, percentile
+from b70tools.demo_appliance import Demo, demo_appliance
+
+STREAMS = 32
+HEAVY_TOKENS = 64
+LIGHT_TOKENS = 8
+GAP_S = 2.0
+WARMUP_S = 5.0
+PROMPT = [{"role": "user", "content": "Write a long story about the sea."}]
+
+
+@dataclass
+class Phase:
+    """What one phase saw."""
+
+    ttft_s: list[float] = field(default_factory=list)  # light's
+    heavy_tokens: int = 0  # heavy's chunks after the warm-up
+    measured_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.heavy_tokens / self.measured_s if self.measured_s else None
+
+
+def client(demo: Demo, key: str) -> Any:
+    import openai
+
+    url = f"http://127.0.0.1:{demo.proxy_port}/v1"
+    return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
+
+
+def heavy_stream(api: Any, phase: Phase, start: float, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            stream = api.chat.completions.create(
+                model="smollm2", messages=PROMPT, max_tokens=HEAVY_TOKENS, temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in stream:
+                if stop.is_set():
+                    stream.close()
+                    return
+                counted = time.monotonic() - start >= WARMUP_S
+                if counted and chunk.choices and chunk.choices[0].delta.content:
+                    phase.heavy_tokens += 1  # one thread's += at a time: the GIL's
+        except Exception as e:  # counted and named
+            phase.errors.append(f"heavy: {type(e).__name__}: {e}"[:200])
+            time.sleep(0.5)
+
+
+def light_request(api: Any, phase: Phase) -> None:
+    sent = time.monotonic()
+    try:
+        stream = api.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Say hi."}],
+            max_tokens=LIGHT_TOKENS, temperature=0, stream=True,
+        )  # fmt: skip
+        first = None
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta.content:
+                first = time.monotonic() - sent
+        if first is not None:
+            phase.ttft_s.append(first)
+    except Exception as e:
+        phase.errors.append(f"light: {type(e).__name__}: {e}"[:200])
+
+
+def run_phase(demo: Demo, keys: dict[str, str], heavy: bool, light: bool, seconds: float) -> Phase:
+    phase = Phase()
+    stop = threading.Event()
+    start = time.monotonic()
+    threads = []
+    if heavy:
+        api = client(demo, keys["heavy"])
+        for _ in range(STREAMS):
+            t = threading.Thread(target=heavy_stream, args=(api, phase, start, stop), daemon=True)
+            t.start()
+            threads.append(t)
+    if light:
+        api = client(demo, keys["light"])
+        at = start + (WARMUP_S if heavy else 0.0)
+        while at < start + seconds:
+            time.sleep(max(0.0, at - time.monotonic()))
+            t = threading.Thread(target=light_request, args=(api, phase), daemon=True)
+            t.start()
+            threads.append(t)
+            at += GAP_S
+    time.sleep(max(0.0, start + seconds - time.monotonic()))
+    phase.measured_s = time.monotonic() - start - WARMUP_S if heavy else 0.0
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    return phase
+
+
+def b70ctl(demo: Demo, *args: str) -> dict[str, Any]:
+    out = subprocess.run([*demo.b70ctl, *args, "--json"], env=demo.env, capture_output=True,
+                         text=True, check=False)  # fmt: skip
+    doc: dict[str, Any] = json.loads(out.stdout)
+    if not doc.get("ok"):
+        raise SystemExit(f"b70ctl {' '.join(args)}: {doc.get('error')}")
+    return doc["result"]
+
+
+def set_fair(demo: Demo, on: bool) -> None:
+    config = Path(demo.b70ctl[demo.b70ctl.index("--config") + 1])
+    text = config.read_text().replace("\nfair = true\n", "\n").replace("\nfair = false\n", "\n")
+    text = text.replace("[proxy]\n", f"[proxy]\nfair = {'true' if on else 'false'}\n", 1)
+    config.write_text(text)
+    b70ctl(demo, "install")
+
+
+def policy(demo: Demo, keys: dict[str, str], on: bool, seconds: float, log: Any) -> dict[str, Any]:
+    set_fair(demo, on)
+    name = "on" if on else "off"
+    light_alone = run_phase(demo, keys, heavy=False, light=True, seconds=seconds)
+    log(f"fair {name}: light alone, {len(light_alone.ttft_s)} requests")
+    heavy_alone = run_phase(demo, keys, heavy=True, light=False, seconds=seconds)
+    log(f"fair {name}: heavy alone, {heavy_alone.tokens_per_s or 0:.1f} tokens/s")
+    both = run_phase(demo, keys, heavy=True, light=True, seconds=seconds)
+    log(f"fair {name}: both, {len(both.ttft_s)} light requests")
+    alone_p50 = statistics.median(light_alone.ttft_s) if light_alone.ttft_s else None
+    alone_p95 = percentile(light_alone.ttft_s, 95)
+    p50 = statistics.median(both.ttft_s) if both.ttft_s else None
+    p95 = percentile(both.ttft_s, 95)
+    return {
+        "fair": on,
+        "light_alone_p50_s": alone_p50, "light_alone_p95_s": alone_p95,
+        "light_p50_s": p50, "light_p95_s": p95, "light_requests": len(both.ttft_s),
+        "light_p95_ratio": p95 / alone_p95 if p95 and alone_p95 else None,
+        "heavy_alone_tokens_per_s": heavy_alone.tokens_per_s,
+        "heavy_tokens_per_s": both.tokens_per_s,
+        "heavy_ratio": (both.tokens_per_s / heavy_alone.tokens_per_s
+                        if both.tokens_per_s and heavy_alone.tokens_per_s else None),
+        "errors": light_alone.errors + heavy_alone.errors + both.errors,
+    }  # fmt: skip
+
+
+def show(figures: list[dict[str, Any]], usage: list[dict[str, Any]]) -> str:
+    def s(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    lines = [
+        "fair  light TTFT p50 / alone (s)  light TTFT p95 / alone (s)  p95 ratio  "
+        "heavy tok/s / alone  ratio  errors"
+    ]
+    for f in figures:
+        light = [
+            f"{s(f[a])} / {s(f[b])}"
+            for a, b in (("light_p50_s", "light_alone_p50_s"), ("light_p95_s", "light_alone_p95_s"))
+        ]
+        heavy = f"{s(f['heavy_tokens_per_s'])} / {s(f['heavy_alone_tokens_per_s'])}"
+        lines.append(
+            f"{'on' if f['fair'] else 'off':<4}  {light[0]:>26}  {light[1]:>26}  "
+            f"{s(f['light_p95_ratio']):>9}  {heavy:>19}  {s(f['heavy_ratio']):>5}  "
+            f"{len(f['errors']):>6}"
+        )
+    lines.append("targets with fair turns on: light p95 ratio <= 2, heavy ratio >= 0.95")
+    lines.append("usage for the run (b70ctl usage):")
+    lines += [
+        f"  {u['key']:<8} requests {u['requests']:>5}  tokens in {u['in']:>7}  out {u['out']:>7}  "
+        f"queued {u['queued_s']:>8.1f} s  429s {u['limited']}"
+        for u in usage
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global STREAMS, GAP_S
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=45.0, help="seconds of each phase")
+    parser.add_argument("--streams", type=int, default=STREAMS, help="heavy's open streams")
+    parser.add_argument("--gap", type=float, default=GAP_S, help="seconds between light's")
+    parser.add_argument("--policies", default="off,on")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    STREAMS, GAP_S = args.streams, args.gap
+    chosen = args.policies.split(",")
+    if any(p not in ("off", "on") for p in chosen):
+        raise SystemExit("--policies: a list of off and on")
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    with demo_appliance(CACHE, prefix="b70-fair.") as demo:
+        keys = {name: b70ctl(demo, "keys", "add", name)["key"] for name in ("heavy", "light")}
+        started = time.time()
+        figures = [policy(demo, keys, p == "on", args.duration, log) for p in chosen]
+        since = f"{max(1, int(time.time() - started) + 1)}s"
+        usage = [u for u in b70ctl(demo, "usage", "--since", since)["keys"] if u["key"] != "master"]
+    print(show(figures, usage))
+    if args.json:
+        args.json.write_text(json.dumps({"figures": figures, "usage": usage}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
