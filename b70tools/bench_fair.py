@@ -7,9 +7,10 @@ requests at once), two keys made with `b70ctl keys add`:
 - light sends one streamed request every GAP_S seconds (LIGHT_TOKENS tokens), and its time to
   first token (from its send to its first chunk with text) is taken.
 
-With the fair turns off (`[proxy] fair = false`: the requests go to llama-server as they come,
-which serves them first come, first served) and on (the default), in one run, each for DURATION
-seconds: light alone, heavy alone, then both. Heavy's tokens/s counts the chunks its streams
+Under each policy (POLICIES: the fair turns off, `[proxy] fair = false`, when the requests go to
+llama-server as they come and it serves them first come, first served; on, as shipped; and on
+with `keep_free = 1`), in one run, each phase for DURATION seconds: light alone, heavy alone,
+then both. Heavy's tokens/s counts the chunks its streams
 receive (one token each) after the first WARMUP_S seconds of a phase. Printed: light's p50 and
 p95 time to first token and heavy's tokens/s, each against its figure alone in the same policy;
 and each key's usage as `b70ctl usage` gives it for the run.
@@ -132,29 +133,38 @@ def b70ctl(demo: Demo, *args: str) -> dict[str, Any]:
     return doc["result"]
 
 
-def set_fair(demo: Demo, on: bool) -> None:
+# Each policy's lines in [proxy]
+POLICIES = {
+    "off": "fair = false",  # as they come: llama-server serves them first come, first served
+    "on": "",  # the fair turns, as the appliance ships them
+    "keep1": "keep_free = 1",  # ... with one place kept for a key with nothing running
+}
+PROXY_KEYS = ("fair", "keep_free")
+
+
+def set_policy(demo: Demo, policy: str) -> None:
     config = Path(demo.b70ctl[demo.b70ctl.index("--config") + 1])
-    text = config.read_text().replace("\nfair = true\n", "\n").replace("\nfair = false\n", "\n")
-    text = text.replace("[proxy]\n", f"[proxy]\nfair = {'true' if on else 'false'}\n", 1)
-    config.write_text(text)
+    lines = [ln for ln in config.read_text().splitlines() if ln.split(" = ")[0] not in PROXY_KEYS]
+    at = lines.index("[proxy]") + 1
+    lines[at:at] = [POLICIES[policy]] if POLICIES[policy] else []
+    config.write_text("\n".join(lines) + "\n")
     b70ctl(demo, "install")
 
 
-def policy(demo: Demo, keys: dict[str, str], on: bool, seconds: float, log: Any) -> dict[str, Any]:
-    set_fair(demo, on)
-    name = "on" if on else "off"
+def policy(demo: Demo, keys: dict[str, str], name: str, seconds: float, log: Any) -> dict[str, Any]:
+    set_policy(demo, name)
     light_alone = run_phase(demo, keys, heavy=False, light=True, seconds=seconds)
-    log(f"fair {name}: light alone, {len(light_alone.ttft_s)} requests")
+    log(f"{name}: light alone, {len(light_alone.ttft_s)} requests")
     heavy_alone = run_phase(demo, keys, heavy=True, light=False, seconds=seconds)
-    log(f"fair {name}: heavy alone, {heavy_alone.tokens_per_s or 0:.1f} tokens/s")
+    log(f"{name}: heavy alone, {heavy_alone.tokens_per_s or 0:.1f} tokens/s")
     both = run_phase(demo, keys, heavy=True, light=True, seconds=seconds)
-    log(f"fair {name}: both, {len(both.ttft_s)} light requests")
+    log(f"{name}: both, {len(both.ttft_s)} light requests")
     alone_p50 = statistics.median(light_alone.ttft_s) if light_alone.ttft_s else None
     alone_p95 = percentile(light_alone.ttft_s, 95)
     p50 = statistics.median(both.ttft_s) if both.ttft_s else None
     p95 = percentile(both.ttft_s, 95)
     return {
-        "fair": on,
+        "policy": name,
         "light_alone_p50_s": alone_p50, "light_alone_p95_s": alone_p95,
         "light_p50_s": p50, "light_p95_s": p95, "light_requests": len(both.ttft_s),
         "light_p95_ratio": p95 / alone_p95 if p95 and alone_p95 else None,
@@ -171,7 +181,7 @@ def show(figures: list[dict[str, Any]], usage: list[dict[str, Any]]) -> str:
         return "-" if v is None else f"{v:.2f}"
 
     lines = [
-        "fair  light TTFT p50 / alone (s)  light TTFT p95 / alone (s)  p95 ratio  "
+        "policy  light TTFT p50 / alone (s)  light TTFT p95 / alone (s)  p95 ratio  "
         "heavy tok/s / alone  ratio  errors"
     ]
     for f in figures:
@@ -181,11 +191,14 @@ def show(figures: list[dict[str, Any]], usage: list[dict[str, Any]]) -> str:
         ]
         heavy = f"{s(f['heavy_tokens_per_s'])} / {s(f['heavy_alone_tokens_per_s'])}"
         lines.append(
-            f"{'on' if f['fair'] else 'off':<4}  {light[0]:>26}  {light[1]:>26}  "
+            f"{f['policy']:<6}  {light[0]:>26}  {light[1]:>26}  "
             f"{s(f['light_p95_ratio']):>9}  {heavy:>19}  {s(f['heavy_ratio']):>5}  "
             f"{len(f['errors']):>6}"
         )
     lines.append("targets with fair turns on: light p95 ratio <= 2, heavy ratio >= 0.95")
+    lines.append(
+        "policies: " + "; ".join(f"{k}: [proxy] {v or 'as shipped'}" for k, v in POLICIES.items())
+    )
     lines.append("usage for the run (b70ctl usage):")
     lines += [
         f"  {u['key']:<8} requests {u['requests']:>5}  tokens in {u['in']:>7}  out {u['out']:>7}  "
@@ -201,18 +214,18 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=45.0, help="seconds of each phase")
     parser.add_argument("--streams", type=int, default=STREAMS, help="heavy's open streams")
     parser.add_argument("--gap", type=float, default=GAP_S, help="seconds between light's")
-    parser.add_argument("--policies", default="off,on")
+    parser.add_argument("--policies", default="off,on,keep1", help="of " + ",".join(POLICIES))
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     STREAMS, GAP_S = args.streams, args.gap
     chosen = args.policies.split(",")
-    if any(p not in ("off", "on") for p in chosen):
-        raise SystemExit("--policies: a list of off and on")
+    if any(p not in POLICIES for p in chosen):
+        raise SystemExit(f"--policies: a list of {', '.join(POLICIES)}")
     log = lambda m: print(m, flush=True)  # noqa: E731
     with demo_appliance(CACHE, prefix="b70-fair.") as demo:
         keys = {name: b70ctl(demo, "keys", "add", name)["key"] for name in ("heavy", "light")}
         started = time.time()
-        figures = [policy(demo, keys, p == "on", args.duration, log) for p in chosen]
+        figures = [policy(demo, keys, p, args.duration, log) for p in chosen]
         since = f"{max(1, int(time.time() - started) + 1)}s"
         usage = [u for u in b70ctl(demo, "usage", "--since", since)["keys"] if u["key"] != "master"]
     print(show(figures, usage))

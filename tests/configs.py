@@ -336,6 +336,11 @@ REACH = [
         "proxy.batch_wait_s",
     ),
     (
+        "more places kept than a runtime could have",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nkeep_free = 5000'),
+        "proxy.keep_free",
+    ),
+    (
         "no body at all",
         GOOD.replace('model = "smollm2"', 'model = "smollm2"\nmax_body_mib = 0'),
         "proxy.max_body_mib: 0.0 must be greater than 0",

@@ -155,3 +155,17 @@ def test_slots_come_from_the_renderers_words() -> None:
         (8001, "vLLM"): 256,
         (8002, "llama.cpp"): 4,
     }
+
+
+def test_a_kept_place_goes_to_a_key_with_nothing_running_while_another_fills_the_rest() -> None:
+    t = Turns(waiting=[_entry(i, "heavy", since=i) for i in range(10)])
+    t.seen = {"heavy": 0.0, "light": 0.0}  # light came within ACTIVE_S
+    assert [e.key for e in fill(t, 2, 1.0, 30.0, keep_free=1)] == ["heavy"]  # one place kept
+    t.waiting.append(_entry(100, "light", since=1.0))
+    assert [e.key for e in fill(t, 2, 1.0, 30.0, keep_free=1)] == ["light"]  # at once
+
+
+def test_a_kept_place_is_anyones_while_no_other_key_came_lately() -> None:
+    t = Turns(waiting=[_entry(i, "heavy", since=i) for i in range(10)])
+    t.seen = {"heavy": 100.0, "light": 100.0 - turns.ACTIVE_S - 1}
+    assert [e.key for e in fill(t, 2, 100.0, 30.0, keep_free=1)] == ["heavy", "heavy"]

@@ -86,6 +86,9 @@ class ProxyConfig:
     # runtime as they come, which serves them first come, first served.
     fair: bool = True
     batch_wait_s: float = 30.0  # a batch key's request waiting this long goes before interactive
+    # Places kept for a key with nothing running while another key fills the runtime: its first
+    # token comes at once, and the key that fills the runtime runs that many fewer at once.
+    keep_free: int = 0
 
 
 @dataclass(frozen=True)

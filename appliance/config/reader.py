@@ -212,6 +212,7 @@ class _Reader(CardKeys, ServingKeys):
             "pass_through",
             "fair",
             "batch_wait_s",
+            "keep_free",
         }
         self.known(t, p, allowed)
         model = self.get(t, "model", p, str, "b70", check_model_name)
@@ -234,6 +235,9 @@ class _Reader(CardKeys, ServingKeys):
             pass_through=self.get(t, "pass_through", p, bool, True),
             fair=self.get(t, "fair", p, bool, True),
             batch_wait_s=self.get(t, "batch_wait_s", p, float, 30.0, check_range(0, HOUR_S)),
+            keep_free=self.get(
+                t, "keep_free", p, int, 0, lambda v: None if 0 <= v <= 1024 else "0-1024"
+            ),
             max_body_bytes=int(
                 self.get(t, "max_body_mib", p, float, 8.0, check_range(0, 1024, low_open=True))
                 * MIB

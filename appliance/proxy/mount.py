@@ -265,7 +265,11 @@ def install_in_proxy(
     ledger = Ledger(Path(state), later=_later, log=log) if state else None
     fair = None
     if state and env.get("B70_FAIR", "1") != "0":
-        fair = Fair(Path(state), parse_slots(env.get("B70_SLOTS", "")), batch_wait_s(env))
+        keep = env.get("B70_KEEP_FREE", "0")
+        keep_free = int(keep) if keep.isdigit() else 0
+        fair = Fair(
+            Path(state), parse_slots(env.get("B70_SLOTS", "")), batch_wait_s(env), keep_free
+        )
     install(
         app,
         lambda inner: Door(

@@ -232,6 +232,8 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
     if config.proxy.fair:  # fair turns at a full runtime (appliance/proxy/share/fair.py)
         env["B70_SLOTS"] = runtimes.slots_text(config)
         env["B70_BATCH_WAIT_S"] = f"{config.proxy.batch_wait_s:g}"
+        if config.proxy.keep_free:
+            env["B70_KEEP_FREE"] = str(config.proxy.keep_free)
     else:
         env["B70_FAIR"] = "0"
     return env

@@ -27,7 +27,7 @@ from appliance.hold import start_time
 from appliance.people import Person
 from appliance.proxy.asgi import log
 from appliance.proxy.backend import Backend
-from appliance.proxy.share.turns import POLL_S, Entry, Record, fill
+from appliance.proxy.share.turns import POLL_S, Entry, Record, Turns, fill
 from appliance.proxy.waiting import HoldTimeout
 
 DEFAULT_BATCH_WAIT_S = 30.0
@@ -54,9 +54,12 @@ class Turn:
 class Share:
     """The turns of one runtime port, as this worker takes them."""
 
-    def __init__(self, state_dir: Path, port: int | None, batch_wait_s: float) -> None:
+    def __init__(
+        self, state_dir: Path, port: int | None, batch_wait_s: float, keep_free: int = 0
+    ) -> None:
         self.record = Record(state_dir, port)
         self.batch_wait_s = batch_wait_s
+        self.keep_free = keep_free
         self.waiters: dict[str, asyncio.Future[None]] = {}
         self.entries: dict[str, Entry] = {}
         self.slots = 1
@@ -74,7 +77,8 @@ class Share:
         entry = Entry(f"{self.me}:{next(self.numbers)}", key, priority, cost, time.time())
         with self.record.open() as turns:
             turns.waiting.append(entry)
-            admitted = fill(turns, slots, entry.since, self.batch_wait_s)
+            turns.seen[key] = entry.since
+            admitted = self._fill(turns)
         self._wake(admitted)
         if any(e.id == entry.id for e in admitted):
             return Turn(self, entry.id)
@@ -102,8 +106,12 @@ class Share:
     def leave(self, turn: Turn) -> None:
         with self.record.open() as turns:
             turns.running.pop(turn.id, None)
-            admitted = fill(turns, self.slots, time.time(), self.batch_wait_s)
+            admitted = self._fill(turns)
         self._wake(admitted)
+
+    def _fill(self, turns: Turns) -> list[Entry]:
+        keep = min(self.keep_free, self.slots - 1)  # one place at least for anyone
+        return fill(turns, self.slots, time.time(), self.batch_wait_s, keep)
 
     def _give_up(self, entry_id: str) -> None:
         """A waiting request that will not run: out of the queue, or, if it was just admitted,
@@ -112,7 +120,7 @@ class Share:
             turns.waiting = [e for e in turns.waiting if e.id != entry_id]
             admitted = []
             if turns.running.pop(entry_id, None) is not None:
-                admitted = fill(turns, self.slots, time.time(), self.batch_wait_s)
+                admitted = self._fill(turns)
         self._wake(admitted)
 
     def _wake(self, admitted: list[Entry]) -> None:
@@ -128,7 +136,7 @@ class Share:
         while self.waiters:
             await asyncio.sleep(POLL_S)
             with self.record.open() as turns:
-                admitted = fill(turns, self.slots, time.time(), self.batch_wait_s)
+                admitted = self._fill(turns)
                 admitted += [turns.running[i] for i in self.waiters if i in turns.running]
                 known = set(turns.running) | {e.id for e in turns.waiting}
                 for lost in [i for i in self.waiters if i not in known]:
@@ -144,8 +152,10 @@ class Fair:
         state_dir: Path,
         slots: Mapping[tuple[int, str], int],
         batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+        keep_free: int = 0,
     ) -> None:
         self.state_dir = state_dir
+        self.keep_free = keep_free
         self.configured = dict(slots)
         self.batch_wait_s = batch_wait_s
         self.shares: dict[int | None, Share] = {}
@@ -165,7 +175,9 @@ class Fair:
             return None
         share = self.shares.get(port)
         if share is None:
-            share = self.shares[port] = Share(self.state_dir, port, self.batch_wait_s)
+            share = self.shares[port] = Share(
+                self.state_dir, port, self.batch_wait_s, self.keep_free
+            )
         try:
             return await share.enter(person.name, person.priority, cost, slots, limit_s)
         except OSError as e:

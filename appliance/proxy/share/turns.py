@@ -7,6 +7,9 @@ request that `pick` chooses:
 
 - interactive keys before batch keys, unless a batch request has waited `batch_wait_s`: then
   the oldest such goes first, so batch never starves;
+- `keep_free` of the places ([proxy] keep_free, default 0) go only to a key with nothing
+  running while another key came within ACTIVE_S: the price of a quick start for whoever comes
+  while one key fills the runtime is that key's share of those places;
 - among the keys of a class, deficit round-robin on tokens (Shreedhar and Varghese, 1995): the
   key at the front of the ring gets QUANTUM tokens of credit on each visit and sends its oldest
   request when its credit covers that request's tokens (the prompt's, about 4 bytes a token,
@@ -38,6 +41,7 @@ from appliance.people import BATCH, INTERACTIVE
 QUANTUM = 128  # tokens of credit a key gets on each visit of the ring
 MOST_COST = 1 << 20  # a request's tokens, as the ring counts them, at most
 POLL_S = 0.01
+ACTIVE_S = 30.0  # a key that sent a request this recently counts as there ([proxy] keep_free)
 LIVE_S = 1.0  # how long a worker's liveness, once read from /proc, is trusted
 
 
@@ -65,12 +69,13 @@ class Turns:
     ring: dict[str, list[str]] = field(default_factory=dict)  # class -> keys, the front first
     credit: dict[str, float] = field(default_factory=dict)  # key -> tokens
     paid: dict[str, bool] = field(default_factory=dict)  # class -> its front has its quantum
+    seen: dict[str, float] = field(default_factory=dict)  # key -> when it last sent a request
 
     def as_json(self) -> dict[str, Any]:
         return {
             "running": [asdict(e) for e in self.running.values()],
             "waiting": [asdict(e) for e in self.waiting],
-            "ring": self.ring, "credit": self.credit, "paid": self.paid,
+            "ring": self.ring, "credit": self.credit, "paid": self.paid, "seen": self.seen,
         }  # fmt: skip
 
     @staticmethod
@@ -81,6 +86,7 @@ class Turns:
             {str(k): [str(x) for x in v] for k, v in data["ring"].items()},
             {str(k): float(v) for k, v in data["credit"].items()},
             {str(k): bool(v) for k, v in data["paid"].items()},
+            {str(k): float(v) for k, v in data.get("seen", {}).items()},
         )  # fmt: skip
 
 
@@ -164,6 +170,8 @@ class Record:
             except (ValueError, KeyError, TypeError, AttributeError):
                 turns = Turns()  # cut short by a worker that died writing: begun again
             self._drop_the_dead(turns)
+            now = time.time()
+            turns.seen = {k: t for k, t in turns.seen.items() if now - t < ACTIVE_S}
             yield turns
             data = json.dumps(turns.as_json(), separators=(",", ":")).encode()
             os.ftruncate(fd, 0)
@@ -185,10 +193,32 @@ class Record:
         return known[1]
 
 
-def fill(turns: Turns, slots: int, now: float, batch_wait_s: float) -> list[Entry]:
-    """Admit waiting requests while fewer than `slots` run: those admitted."""
+def fill(
+    turns: Turns, slots: int, now: float, batch_wait_s: float, keep_free: int = 0
+) -> list[Entry]:
+    """Admit waiting requests while fewer than `slots` run: those admitted. The last `keep_free`
+    places go only to a key with nothing running, or to any key while no other key came within
+    ACTIVE_S: someone who comes while another key fills the runtime starts at once."""
     out = []
-    while len(turns.running) < slots and (chosen := pick(turns, now, batch_wait_s)) is not None:
+    while len(turns.running) < slots:
+        if len(turns.running) < slots - keep_free:
+            chosen = pick(turns, now, batch_wait_s)
+        else:
+            chosen = _pick_for_a_kept_place(turns, now, batch_wait_s)
+        if chosen is None:
+            break
         turns.running[chosen.id] = chosen
         out.append(chosen)
     return out
+
+
+def _pick_for_a_kept_place(turns: Turns, now: float, batch_wait_s: float) -> Entry | None:
+    running = {e.key for e in turns.running.values()}
+    recent = {k for k, t in turns.seen.items() if now - t < ACTIVE_S}
+    eligible = [e for e in turns.waiting if e.key not in running or not (recent - {e.key})]
+    if not eligible:
+        return None
+    everyone, turns.waiting = turns.waiting, eligible
+    chosen = pick(turns, now, batch_wait_s)
+    turns.waiting = [e for e in everyone if chosen is None or e.id != chosen.id]
+    return chosen
