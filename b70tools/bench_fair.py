@@ -9,11 +9,11 @@ requests at once), two keys made with `b70ctl keys add`:
 
 Under each policy (POLICIES: the fair turns off, `[proxy] fair = false`, when the requests go to
 llama-server as they come and it serves them first come, first served; on, as shipped; and on
-with `keep_free = 1`), in one run, each phase for DURATION seconds: light alone, heavy alone,
-then both. Heavy's tokens/s counts the chunks its streams
-receive (one token each) after the first WARMUP_S seconds of a phase. Printed: light's p50 and
-p95 time to first token and heavy's tokens/s, each against its figure alone in the same policy;
-and each key's usage as `b70ctl usage` gives it for the run.
+with `keep_free = 1`), in one run, each phase for DURATION seconds: heavy alone (once light's
+last request is 31 s old), light alone, then both. Heavy's tokens/s counts the chunks its
+streams receive (one token each) after the first WARMUP_S seconds of a phase. Printed: light's
+p50 and p95 time to first token and heavy's tokens/s, each against its figure alone in the same
+policy; and each key's usage as `b70ctl usage` gives it for the run.
 """
 
 from __future__ import annotations
@@ -79,8 +79,12 @@ def heavy_stream(api: Any, phase: Phase, start: float, stop: threading.Event) ->
             time.sleep(0.5)
 
 
+LIGHT_GONE_S = 31.0
+LAST_LIGHT = [-LIGHT_GONE_S]  # when light last sent a request (time.monotonic)
+
+
 def light_request(api: Any, phase: Phase) -> None:
-    sent = time.monotonic()
+    sent = LAST_LIGHT[0] = time.monotonic()
     try:
         stream = api.chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "Say hi."}],
@@ -153,10 +157,13 @@ def set_policy(demo: Demo, policy: str) -> None:
 
 def policy(demo: Demo, keys: dict[str, str], name: str, seconds: float, log: Any) -> dict[str, Any]:
     set_policy(demo, name)
-    light_alone = run_phase(demo, keys, heavy=False, light=True, seconds=seconds)
-    log(f"{name}: light alone, {len(light_alone.ttft_s)} requests")
+    # Heavy alone first, once light's last request is older than the door's ACTIVE_S (30 s):
+    # alone, heavy gets what the door gives a key alone.
+    time.sleep(max(0.0, LIGHT_GONE_S - (time.monotonic() - LAST_LIGHT[0])))
     heavy_alone = run_phase(demo, keys, heavy=True, light=False, seconds=seconds)
     log(f"{name}: heavy alone, {heavy_alone.tokens_per_s or 0:.1f} tokens/s")
+    light_alone = run_phase(demo, keys, heavy=False, light=True, seconds=seconds)
+    log(f"{name}: light alone, {len(light_alone.ttft_s)} requests")
     both = run_phase(demo, keys, heavy=True, light=True, seconds=seconds)
     log(f"{name}: both, {len(both.ttft_s)} light requests")
     alone_p50 = statistics.median(light_alone.ttft_s) if light_alone.ttft_s else None

@@ -64,10 +64,16 @@ def test_interactive_goes_before_batch_until_batch_has_waited_its_limit() -> Non
     assert _served(t, 1, now=31.0) == ["alice"]
 
 
-def test_fill_admits_up_to_the_slots() -> None:
-    t = Turns(waiting=[_entry(i, "k") for i in range(5)])
-    assert len(fill(t, 2, 0.0, 30.0)) == 2 and len(t.running) == 2 and len(t.waiting) == 3
+def test_fill_admits_up_to_the_slots_and_one_more_for_a_key_alone() -> None:
+    t = Turns(waiting=[_entry(2 * i + j, k) for i in range(5) for j, k in enumerate("ab")])
+    assert len(fill(t, 2, 0.0, 30.0)) == 2 and len(t.running) == 2 and len(t.waiting) == 8
     assert fill(t, 2, 0.0, 30.0) == []
+    alone = Turns(waiting=[_entry(i, "a") for i in range(5)])
+    assert len(fill(alone, 2, 0.0, 30.0)) == 3  # one waits in the runtime, ready to start
+    alone.seen = {"b": 0.0}  # another key came within ACTIVE_S: no more than the places
+    alone.running.popitem()  # one ended: two run, the runtime's places
+    assert fill(alone, 2, 0.0, 30.0) == []
+    assert fill(alone, 2, 0.0, 30.0, keep_free=1) == []  # places kept: nothing more
 
 
 def test_a_cost_counts_the_prompt_and_the_answer_asked() -> None:

@@ -163,15 +163,64 @@ def test_a_bad_key_of_any_shape_is_a_quick_401(appliance: Appliance) -> None:
     shapes = {
         "wrong": b"sk-b70-wrong",
         "not ascii": "sk-ключ".encode(),
-        "long": b"k" * 12_000,
+        "12 KB long": b"k" * 12_000,
+        "2 MB long": b"k" * 2_000_000,
     }
 
     def one(key: bytes) -> httpx.Response:
         headers = [(b"authorization", b"Bearer " + key), (b"content-type", b"application/json")]
         return httpx.post(url, json=body, headers=headers, timeout=30)
 
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
         answers = dict(zip(shapes, pool.map(one, shapes.values()), strict=True))
     for shape, answer in answers.items():
         assert answer.status_code == 401, (shape, answer.text)
         assert answer.headers["www-authenticate"] == "Bearer", shape
+
+
+def test_one_persons_request_goes_before_anothers_queue(
+    appliance: Appliance, keys: dict[str, str]
+) -> None:
+    """llama.cpp runs two requests at once (the demo's --parallel 2): heavy sends eight long
+    streams, so six wait at the door; light's one request, sent after them, starts before most of
+    heavy's waiting ones (first come, first served would start it after all eight)."""
+    import threading
+
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    heavy = _client(appliance, _add(appliance, keys, "heavy"))
+    light = _client(appliance, _add(appliance, keys, "light"))
+    _wait_for(lambda: _chat(heavy))
+    _wait_for(lambda: _chat(light))
+    first: dict[str, float] = {}
+
+    def stream(name: str, client: Any, tokens: int) -> None:
+        chunks = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Tell a long story."}],
+            max_tokens=tokens, stream=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for chunk in chunks:
+            if chunk.choices and chunk.choices[0].delta.content and name not in first:
+                first[name] = time.monotonic()
+
+    threads = [threading.Thread(target=stream, args=(f"heavy{i}", heavy, 120)) for i in range(8)]
+    for t in threads:
+        t.start()
+
+    def two_running() -> None:
+        assert len(first) >= 2, first
+
+    _wait_for(two_running, 60)
+    time.sleep(0.5)  # the other six are waiting at the door by now
+    light_thread = threading.Thread(target=stream, args=("light", light, 4))
+    light_thread.start()
+    for t in [*threads, light_thread]:
+        t.join(timeout=300)
+    assert len(first) == 9, first
+    after_light = [n for n, t in first.items() if n != "light" and t > first["light"]]
+    assert len(after_light) >= 4, sorted(first.items(), key=lambda kv: kv[1])
+
+    def queued() -> None:
+        row = _usage(appliance, "heavy")
+        assert row["requests"] >= 9 and row["queued_s"] > 0, row  # waited at the door
+
+    _wait_for(queued)

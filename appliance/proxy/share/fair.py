@@ -27,7 +27,7 @@ from appliance.hold import start_time
 from appliance.people import Person
 from appliance.proxy.asgi import log
 from appliance.proxy.backend import Backend
-from appliance.proxy.share.turns import POLL_S, Entry, Record, Turns, fill
+from appliance.proxy.share.turns import FULL_LOOK_S, POLL_S, Entry, Record, Turns, fill
 from appliance.proxy.waiting import HoldTimeout
 
 DEFAULT_BATCH_WAIT_S = 30.0
@@ -133,8 +133,12 @@ class Share:
     async def _poll(self) -> None:
         """While requests of this worker wait: whether another worker admitted one, and places
         freed by workers that died or by a change of the runtime's slots."""
+        looked = time.monotonic()
         while self.waiters:
             await asyncio.sleep(POLL_S)
+            if not self.record.changed() and time.monotonic() - looked < FULL_LOOK_S:
+                continue
+            looked = time.monotonic()
             with self.record.open() as turns:
                 admitted = self._fill(turns)
                 admitted += [turns.running[i] for i in self.waiters if i in turns.running]

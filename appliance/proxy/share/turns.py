@@ -1,9 +1,9 @@
 """Fair turns at a full runtime: who goes next when the runtime runs as many requests as it can.
 
 The runtime runs `slots` requests at once (llama.cpp's slots, vLLM's `--max-num-seqs`;
-appliance.proxy.share.slots says how the door learns it). While fewer run, a request goes at
-once. Beyond that it waits at the door, in one queue per key, and each freed place goes to the
-request that `pick` chooses:
+appliance.proxy.share.fair says how the door learns it). While fewer run, a request goes at
+once (one more while one key alone wants the runtime: `alone`). Beyond that it waits at the
+door, in one queue per key, and each freed place goes to the request that `pick` chooses:
 
 - interactive keys before batch keys, unless a batch request has waited `batch_wait_s`: then
   the oldest such goes first, so batch never starves;
@@ -40,7 +40,8 @@ from appliance.people import BATCH, INTERACTIVE
 
 QUANTUM = 128  # tokens of credit a key gets on each visit of the ring
 MOST_COST = 1 << 20  # a request's tokens, as the ring counts them, at most
-POLL_S = 0.01
+POLL_S = 0.01  # a waiting worker's look at the record: a stat; read only when it changed
+FULL_LOOK_S = 1.0  # ... and read anyway this often (places of workers that died)
 ACTIVE_S = 30.0  # a key that sent a request this recently counts as there ([proxy] keep_free)
 LIVE_S = 1.0  # how long a worker's liveness, once read from /proc, is trusted
 
@@ -155,6 +156,15 @@ class Record:
     def __init__(self, state_dir: Path, port: int | None) -> None:
         self.path = state_dir / HELD_DIR / f"turns-{port if port is not None else 0}.json"
         self.live: dict[int, tuple[float, bool]] = {}
+        self.left: tuple[int, int, int] | None = None  # the file as this worker left it
+
+    def changed(self) -> bool:
+        """Whether another worker wrote the record since this one last did (a stat, no lock)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return True
+        return (st.st_ino, st.st_mtime_ns, st.st_size) != self.left
 
     @contextmanager
     def open(self) -> Iterator[Turns]:
@@ -174,8 +184,11 @@ class Record:
             turns.seen = {k: t for k, t in turns.seen.items() if now - t < ACTIVE_S}
             yield turns
             data = json.dumps(turns.as_json(), separators=(",", ":")).encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, data, 0)
+            if data != raw:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, data, 0)
+            st = os.fstat(fd)
+            self.left = (st.st_ino, st.st_mtime_ns, st.st_size)
         finally:
             os.close(fd)
 
@@ -196,11 +209,12 @@ class Record:
 def fill(
     turns: Turns, slots: int, now: float, batch_wait_s: float, keep_free: int = 0
 ) -> list[Entry]:
-    """Admit waiting requests while fewer than `slots` run: those admitted. The last `keep_free`
+    """Admit waiting requests while fewer than `slots` run (one more while one key is `alone`
+    and nothing is kept): those admitted. The last `keep_free`
     places go only to a key with nothing running, or to any key while no other key came within
     ACTIVE_S: someone who comes while another key fills the runtime starts at once."""
     out = []
-    while len(turns.running) < slots:
+    while len(turns.running) < slots + (1 if keep_free == 0 and alone(turns, now) else 0):
         if len(turns.running) < slots - keep_free:
             chosen = pick(turns, now, batch_wait_s)
         else:
@@ -210,6 +224,16 @@ def fill(
         turns.running[chosen.id] = chosen
         out.append(chosen)
     return out
+
+
+def alone(turns: Turns, now: float) -> bool:
+    """Whether one key at most wants the runtime: running, waiting, or come within ACTIVE_S.
+    Then one request more than the runtime's places is let through (without `keep_free`): it
+    waits in the runtime, which starts it the moment a place frees, with no hand-over through
+    the door between the two. Whoever comes next waits for that one too."""
+    keys = {e.key for e in turns.running.values()} | {e.key for e in turns.waiting}
+    keys |= {k for k, t in turns.seen.items() if now - t < ACTIVE_S}
+    return len(keys) <= 1
 
 
 def _pick_for_a_kept_place(turns: Turns, now: float, batch_wait_s: float) -> Entry | None:
