@@ -175,3 +175,11 @@ def test_a_kept_place_is_anyones_while_no_other_key_came_lately() -> None:
     t = Turns(waiting=[_entry(i, "heavy", since=i) for i in range(10)])
     t.seen = {"heavy": 100.0, "light": 100.0 - turns.ACTIVE_S - 1}
     assert [e.key for e in fill(t, 2, 100.0, 30.0, keep_free=1)] == ["heavy", "heavy"]
+
+
+def test_the_appliances_own_probes_do_not_count_as_another_key() -> None:
+    t = Turns(waiting=[_entry(i, "heavy", since=i) for i in range(5)])
+    t.seen = {"heavy": 0.0, "master": 0.0}  # the monitor's probe, with the master key
+    assert turns.alone(t, 1.0)
+    t.seen["light"] = 0.5
+    assert not turns.alone(t, 1.0)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.hold import HELD_DIR, start_time
-from appliance.people import BATCH, INTERACTIVE
+from appliance.people import BATCH, INTERACTIVE, MASTER
 
 QUANTUM = 128  # tokens of credit a key gets on each visit of the ring
 MOST_COST = 1 << 20  # a request's tokens, as the ring counts them, at most
@@ -233,12 +233,12 @@ def alone(turns: Turns, now: float) -> bool:
     the door between the two. Whoever comes next waits for that one too."""
     keys = {e.key for e in turns.running.values()} | {e.key for e in turns.waiting}
     keys |= {k for k, t in turns.seen.items() if now - t < ACTIVE_S}
-    return len(keys) <= 1
+    return len(keys - {MASTER}) <= 1  # the appliance's own probes are nobody
 
 
 def _pick_for_a_kept_place(turns: Turns, now: float, batch_wait_s: float) -> Entry | None:
     running = {e.key for e in turns.running.values()}
-    recent = {k for k, t in turns.seen.items() if now - t < ACTIVE_S}
+    recent = {k for k, t in turns.seen.items() if now - t < ACTIVE_S} - {MASTER}
     eligible = [e for e in turns.waiting if e.key not in running or not (recent - {e.key})]
     if not eligible:
         return None
