@@ -4,12 +4,13 @@ choice, and the turns the proxy's workers share through their record; in millise
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from appliance.hold import start_time
 from appliance.people import BATCH, INTERACTIVE
 from appliance.proxy.share import fair, turns
 from appliance.proxy.share.turns import Entry, Turns, fill, pick
@@ -66,12 +67,12 @@ def test_interactive_goes_before_batch_until_batch_has_waited_its_limit() -> Non
 
 def test_fill_admits_up_to_the_slots_and_one_more_for_a_key_alone() -> None:
     t = Turns(waiting=[_entry(2 * i + j, k) for i in range(5) for j, k in enumerate("ab")])
-    assert len(fill(t, 2, 0.0, 30.0)) == 2 and len(t.running) == 2 and len(t.waiting) == 8
+    assert len(fill(t, 2, 0.0, 30.0)) == 2 and t.count() == 2 and len(t.waiting) == 8
     assert fill(t, 2, 0.0, 30.0) == []
     alone = Turns(waiting=[_entry(i, "a") for i in range(5)])
     assert len(fill(alone, 2, 0.0, 30.0)) == 3  # one waits in the runtime, ready to start
     alone.seen = {"b": 0.0}  # another key came within ACTIVE_S: no more than the places
-    alone.running.popitem()  # one ended: two run, the runtime's places
+    alone.end("1:x", "a")  # one ended: two run, the runtime's places
     assert fill(alone, 2, 0.0, 30.0) == []
     assert fill(alone, 2, 0.0, 30.0, keep_free=1) == []  # places kept: nothing more
 
@@ -102,7 +103,8 @@ def test_the_third_request_waits_for_a_place_and_gets_it_when_one_ends(tmp_path:
 def test_a_place_another_worker_frees_is_seen_by_the_poll(tmp_path: Path) -> None:
     async def run() -> None:
         one, other = fair.Share(tmp_path, 8001, 30.0), fair.Share(tmp_path, 8001, 30.0)
-        other.numbers = itertools.count(1000)  # another worker's requests: other numbers
+        parent = os.getppid()  # another worker: a process that is alive, not this one
+        other.me = f"{parent}:{start_time(parent)}"
         running = await one.enter("heavy", INTERACTIVE, 100, 1, 5.0)
         waiting = asyncio.ensure_future(other.enter("light", INTERACTIVE, 10, 1, 5.0))
         await asyncio.sleep(0.05)
@@ -126,7 +128,7 @@ def test_a_request_that_waits_too_long_or_is_cancelled_leaves_its_place(tmp_path
         record = json.loads(share.record.path.read_text())
         assert record["waiting"] == [] and len(record["running"]) == 1
         share.leave(running)
-        assert json.loads(share.record.path.read_text())["running"] == []
+        assert json.loads(share.record.path.read_text())["running"] == {}
 
     asyncio.run(run())
 
@@ -134,7 +136,7 @@ def test_a_request_that_waits_too_long_or_is_cancelled_leaves_its_place(tmp_path
 def test_the_places_of_a_worker_that_died_are_freed(tmp_path: Path) -> None:
     record = turns.Record(tmp_path, 8001)
     with record.open() as t:  # a worker that is gone (pid 1 never started then)
-        t.running = {"1:0:0": Entry("1:0:0", "ghost", INTERACTIVE, 10, 0.0)}
+        t.start("1:0", "ghost")
         t.waiting = [Entry("1:0:1", "ghost", INTERACTIVE, 10, 0.0)]
 
     async def run() -> None:

@@ -47,8 +47,8 @@ def parse_slots(text: str) -> dict[tuple[int, str], int]:
 class Turn:
     """A request's place among those running: given back once (`Fair.leave`)."""
 
-    def __init__(self, share: Share, entry_id: str) -> None:
-        self.share, self.id = share, entry_id
+    def __init__(self, share: Share, key: str) -> None:
+        self.share, self.key = share, key
 
 
 class Share:
@@ -78,10 +78,11 @@ class Share:
         with self.record.open() as turns:
             turns.waiting.append(entry)
             turns.seen[key] = entry.since
-            admitted = self._fill(turns)
-        self._wake(admitted)
-        if any(e.id == entry.id for e in admitted):
-            return Turn(self, entry.id)
+            self._fill(turns)
+            now = self._take_mine(turns)
+        self._wake(now)
+        if entry.id in now:
+            return Turn(self, key)
         waiter = asyncio.get_running_loop().create_future()
         self.waiters[entry.id], self.entries[entry.id] = waiter, entry
         if self.poller is None or self.poller.done():
@@ -94,39 +95,49 @@ class Share:
         except BaseException as e:
             self.waiters.pop(entry.id, None)
             self.entries.pop(entry.id, None)
-            self._give_up(entry.id)
+            self._give_up(entry, admitted=waiter.done() and not waiter.cancelled())
             if isinstance(e, TimeoutError):
                 raise HoldTimeout(
                     f"the runtime runs {slots} requests at once and this one waited its turn",
                     time.monotonic() - started, retry_after_s=5,
                 ) from None  # fmt: skip
             raise
-        return Turn(self, entry.id)
+        return Turn(self, key)
 
     def leave(self, turn: Turn) -> None:
         with self.record.open() as turns:
-            turns.running.pop(turn.id, None)
-            admitted = self._fill(turns)
-        self._wake(admitted)
+            turns.end(self.me, turn.key)
+            self._fill(turns)
+            mine = self._take_mine(turns)
+        self._wake(mine)
 
-    def _fill(self, turns: Turns) -> list[Entry]:
+    def _fill(self, turns: Turns) -> None:
         keep = min(self.keep_free, self.slots - 1)  # one place at least for anyone
-        return fill(turns, self.slots, time.time(), self.batch_wait_s, keep)
+        fill(turns, self.slots, time.time(), self.batch_wait_s, keep)
 
-    def _give_up(self, entry_id: str) -> None:
-        """A waiting request that will not run: out of the queue, or, if it was just admitted,
-        its place passed on."""
+    def _take_mine(self, turns: Turns) -> set[str]:
+        """This worker's requests that were admitted, taken off the record's granted list."""
+        mine = {i for i in turns.granted if i.rsplit(":", 1)[0] == self.me}
+        if mine:
+            turns.granted = [i for i in turns.granted if i not in mine]
+        return mine
+
+    def _give_up(self, entry: Entry, admitted: bool) -> None:
+        """A waiting request that will not run: out of the queue, or, if it was admitted, its
+        place passed on."""
         with self.record.open() as turns:
-            turns.waiting = [e for e in turns.waiting if e.id != entry_id]
-            admitted = []
-            if turns.running.pop(entry_id, None) is not None:
-                admitted = self._fill(turns)
-        self._wake(admitted)
+            if admitted or entry.id in turns.granted:
+                turns.end(self.me, entry.key)
+            turns.waiting = [e for e in turns.waiting if e.id != entry.id]
+            turns.granted = [i for i in turns.granted if i != entry.id]
+            self._fill(turns)
+            mine = self._take_mine(turns)
+        self._wake(mine)
 
-    def _wake(self, admitted: list[Entry]) -> None:
-        for e in admitted:
-            waiter = self.waiters.pop(e.id, None)
-            self.entries.pop(e.id, None)
+    def _wake(self, admitted: set[str]) -> None:
+        for entry_id in admitted:
+            waiter = self.waiters.pop(entry_id, None)
+            self.entries.pop(entry_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
 
@@ -140,12 +151,12 @@ class Share:
                 continue
             looked = time.monotonic()
             with self.record.open() as turns:
-                admitted = self._fill(turns)
-                admitted += [turns.running[i] for i in self.waiters if i in turns.running]
-                known = set(turns.running) | {e.id for e in turns.waiting}
+                self._fill(turns)
+                mine = self._take_mine(turns)
+                known = {e.id for e in turns.waiting} | mine
                 for lost in [i for i in self.waiters if i not in known]:
                     turns.waiting.append(self.entries[lost])  # a record begun again: back in line
-            self._wake(admitted)
+            self._wake(mine)
 
 
 class Fair:

@@ -31,7 +31,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,25 +48,31 @@ LIVE_S = 1.0  # how long a worker's liveness, once read from /proc, is trusted
 
 @dataclass
 class Entry:
-    """One request that waits or runs."""
+    """One request that waits."""
 
-    id: str  # worker pid, its start time, and a number of the worker's
+    id: str  # its worker (pid and start time) and a number of the worker's
     key: str
     priority: str  # INTERACTIVE or BATCH
     cost: int  # tokens, as the ring counts them
     since: float  # epoch seconds it began to wait
 
     @property
-    def pid(self) -> int:
-        return int(self.id.split(":", 1)[0])
+    def worker(self) -> str:
+        return self.id.rsplit(":", 1)[0]
+
+    def as_json(self) -> list[Any]:
+        return [self.id, self.key, self.priority, self.cost, round(self.since, 3)]
 
 
 @dataclass
 class Turns:
-    """The record of one runtime port."""
+    """The record of one runtime port. Requests that run are counted, not listed (worker -> key
+    -> how many), so that the record stays small however many run: it is read and written for
+    every request."""
 
-    running: dict[str, Entry] = field(default_factory=dict)
+    running: dict[str, dict[str, int]] = field(default_factory=dict)
     waiting: list[Entry] = field(default_factory=list)  # in the order they came
+    granted: list[str] = field(default_factory=list)  # admitted; their worker has not seen it
     ring: dict[str, list[str]] = field(default_factory=dict)  # class -> keys, the front first
     credit: dict[str, float] = field(default_factory=dict)  # key -> tokens
     paid: dict[str, bool] = field(default_factory=dict)  # class -> its front has its quantum
@@ -74,21 +80,42 @@ class Turns:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "running": [asdict(e) for e in self.running.values()],
-            "waiting": [asdict(e) for e in self.waiting],
-            "ring": self.ring, "credit": self.credit, "paid": self.paid, "seen": self.seen,
+            "running": self.running, "waiting": [e.as_json() for e in self.waiting],
+            "granted": self.granted, "ring": self.ring, "credit": self.credit,
+            "paid": self.paid, "seen": self.seen,
         }  # fmt: skip
 
     @staticmethod
     def of_json(data: Any) -> Turns:
-        running = [Entry(**e) for e in data["running"]]
         return Turns(
-            {e.id: e for e in running}, [Entry(**e) for e in data["waiting"]],
+            {str(w): {str(k): int(n) for k, n in c.items()} for w, c in data["running"].items()},
+            [Entry(str(i), str(k), str(p), int(c), float(t)) for i, k, p, c, t in data["waiting"]],
+            [str(i) for i in data["granted"]],
             {str(k): [str(x) for x in v] for k, v in data["ring"].items()},
             {str(k): float(v) for k, v in data["credit"].items()},
             {str(k): bool(v) for k, v in data["paid"].items()},
             {str(k): float(v) for k, v in data.get("seen", {}).items()},
         )  # fmt: skip
+
+    def count(self) -> int:
+        return sum(n for by_key in self.running.values() for n in by_key.values())
+
+    def keys_running(self) -> set[str]:
+        return {k for by_key in self.running.values() for k, n in by_key.items() if n > 0}
+
+    def start(self, worker: str, key: str) -> None:
+        by_key = self.running.setdefault(worker, {})
+        by_key[key] = by_key.get(key, 0) + 1
+
+    def end(self, worker: str, key: str) -> None:
+        by_key = self.running.get(worker, {})
+        left = by_key.get(key, 0) - 1
+        if left > 0:
+            by_key[key] = left
+        else:
+            by_key.pop(key, None)
+            if not by_key:
+                self.running.pop(worker, None)
 
 
 def pick(turns: Turns, now: float, batch_wait_s: float) -> Entry | None:
@@ -193,11 +220,12 @@ class Record:
             os.close(fd)
 
     def _drop_the_dead(self, turns: Turns) -> None:
-        turns.running = {i: e for i, e in turns.running.items() if self._alive(e.id)}
-        turns.waiting = [e for e in turns.waiting if self._alive(e.id)]
+        turns.running = {w: c for w, c in turns.running.items() if self._alive(w)}
+        turns.waiting = [e for e in turns.waiting if self._alive(e.worker)]
+        turns.granted = [i for i in turns.granted if self._alive(i.rsplit(":", 1)[0])]
 
-    def _alive(self, entry_id: str) -> bool:
-        pid, started, _ = entry_id.split(":", 2)
+    def _alive(self, worker: str) -> bool:
+        pid, _, started = worker.partition(":")
         now = time.monotonic()
         known = self.live.get(int(pid))
         if known is None or now - known[0] > LIVE_S:
@@ -210,18 +238,22 @@ def fill(
     turns: Turns, slots: int, now: float, batch_wait_s: float, keep_free: int = 0
 ) -> list[Entry]:
     """Admit waiting requests while fewer than `slots` run (one more while one key is `alone`
-    and nothing is kept): those admitted. The last `keep_free`
-    places go only to a key with nothing running, or to any key while no other key came within
-    ACTIVE_S: someone who comes while another key fills the runtime starts at once."""
+    and nothing is kept): those admitted, counted as running and listed in `granted` for their
+    workers. The last `keep_free` places go only to a key with nothing running, or to any key
+    while no other key came within ACTIVE_S: someone who comes while another key fills the
+    runtime starts at once."""
     out = []
-    while len(turns.running) < slots + (1 if keep_free == 0 and alone(turns, now) else 0):
-        if len(turns.running) < slots - keep_free:
+    running = turns.count()
+    while running < slots + (1 if keep_free == 0 and alone(turns, now) else 0):
+        if running < slots - keep_free:
             chosen = pick(turns, now, batch_wait_s)
         else:
             chosen = _pick_for_a_kept_place(turns, now, batch_wait_s)
         if chosen is None:
             break
-        turns.running[chosen.id] = chosen
+        turns.start(chosen.worker, chosen.key)
+        turns.granted.append(chosen.id)
+        running += 1
         out.append(chosen)
     return out
 
@@ -231,13 +263,13 @@ def alone(turns: Turns, now: float) -> bool:
     Then one request more than the runtime's places is let through (without `keep_free`): it
     waits in the runtime, which starts it the moment a place frees, with no hand-over through
     the door between the two. Whoever comes next waits for that one too."""
-    keys = {e.key for e in turns.running.values()} | {e.key for e in turns.waiting}
+    keys = turns.keys_running() | {e.key for e in turns.waiting}
     keys |= {k for k, t in turns.seen.items() if now - t < ACTIVE_S}
     return len(keys - {MASTER}) <= 1  # the appliance's own probes are nobody
 
 
 def _pick_for_a_kept_place(turns: Turns, now: float, batch_wait_s: float) -> Entry | None:
-    running = {e.key for e in turns.running.values()}
+    running = turns.keys_running()
     recent = {k for k, t in turns.seen.items() if now - t < ACTIVE_S} - {MASTER}
     eligible = [e for e in turns.waiting if e.key not in running or not (recent - {e.key})]
     if not eligible:
