@@ -267,6 +267,27 @@ def test_the_fast_way_is_held_by_a_mark_but_never_waits_for_a_probe(tmp_path: Pa
     assert backend.asked == 0 and clock.slept
 
 
+def test_the_first_look_passes_at_once_counted_open_or_says_the_request_must_wait(
+    tmp_path: Path,
+) -> None:
+    """The fast way's first look (`pass_now`), which does not leave the request's task: without a
+    mark it passes, its ticket counted open before the mark was read; under a mark it does not,
+    and its ticket is not left open (the drain would wait for it)."""
+    clock, backend = Clock(), Backend(healthy=False)
+    g = turnstile(tmp_path, backend, clock, hold_s=1)
+    ticket = hold.Ticket()
+    hold.TICKET.set(ticket)
+    try:
+        assert g.pass_now(None) and hold.read_open(tmp_path) == 1 and backend.asked == 0
+        ticket.close()
+        with hold.marked(tmp_path, "vllm") as mark:
+            assert not g.pass_now(None) and hold.read_open(tmp_path) == 0
+            assert g.pass_now(mark.token)  # the switch's own request
+            ticket.close()
+    finally:
+        hold.TICKET.set(None)
+
+
 def test_a_switch_holds_only_the_ports_it_names_and_each_port_counts_its_own(
     tmp_path: Path,
 ) -> None:

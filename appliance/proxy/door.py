@@ -77,7 +77,7 @@ from appliance.proxy.relay import (
     resend,
     runtime_gone,
 )
-from appliance.proxy.share.fair import Fair, Turn
+from appliance.proxy.share.fair import Fair, Turn, Waiting
 from appliance.proxy.share.limits import Limits
 from appliance.proxy.share.meter import Meter, ask_usage
 from appliance.proxy.share.turns import cost_of
@@ -89,6 +89,8 @@ T = TypeVar("T")
 # Holds a request while the runtime cannot take it (raises HoldTimeout when the hold time runs
 # out). The token is the request's hold token (a switch's own request passes the switch's hold).
 Hold = Callable[[str | None], Awaitable[float]]
+# The hold's first look, which does not leave the request's task: True when it may go on now.
+HoldNow = Callable[[str | None], bool]
 # Where a model name's one deployment is served, when the door may send it there itself.
 Direct = Callable[[str], direct.Target | None]
 
@@ -224,6 +226,7 @@ class Door:
         limits: Limits | None = None,
         ledger: Ledger | None = None,
         fair: Fair | None = None,
+        hold_now: HoldNow | None = None,
     ) -> None:
         self.app = app
         self.backend = backend
@@ -241,6 +244,7 @@ class Door:
         self.hold_s = hold_s
         self.clock = clock
         self.hold = hold  # the request hold of the fast way; None: every request the full way
+        self.hold_now = hold_now  # its first look, which does not leave the request's task
         self.direct_to = direct_to  # None: the fast way is LiteLLM's pass-through route
         # False: chat and completions go the full way ([proxy] pass_through = false)
         self.pass_through = pass_through
@@ -339,13 +343,14 @@ class Door:
         once while it has room, else after those before it in fair order; the hold's time
         counts, and a client that leaves frees its place."""
         assert self.fair is not None
-        limit = self.hold_s - (self.clock() - arrived) if self.hold_s > 0 else None
         cost = cost_of(len(checked.body), checked.tokens)
+        got = self.fair.enter_now(checked.person, checked.backend, cost)
+        if not isinstance(got, Waiting):
+            return got  # its turn now (or none to take), in this step of its task
+        limit = self.hold_s - (self.clock() - arrived) if self.hold_s > 0 else None
         started = self.clock()
         try:
-            return await unless_left(
-                self.fair.enter(checked.person, checked.backend, cost, limit), receive
-            )
+            return await unless_left(got.turn(limit), receive)
         except HoldTimeout as e:
             return hold_timeout(e)
         finally:
@@ -380,7 +385,7 @@ class Door:
             if answered is not None:
                 return None if answered else 1
         try:
-            await unless_left(self.hold(token), receive)
+            await self.held_until_free(token, receive)
         except HoldTimeout as e:
             await hold_timeout(e).send(send)
             return None
@@ -456,8 +461,17 @@ class Door:
         if target is None and self.replicas is not None:
             return await self.replicas.choose(model, token), True
         if self.hold is not None:
-            await unless_left(self.hold(token), receive)
+            await self.held_until_free(token, receive)
         return target, False
+
+    async def held_until_free(self, token: str | None, receive: Receive) -> None:
+        """The hold of the fast way: its first look in this step of the request's task (a request
+        that is not held is written to the runtime in the same step as the door's checks); a
+        request that must wait is given up if its client leaves meanwhile."""
+        if self.hold_now is not None and self.hold_now(token):
+            return
+        assert self.hold is not None
+        await unless_left(self.hold(token), receive)
 
     @staticmethod
     async def held(wait: Awaitable[float], call: direct.Call, receive: Receive) -> float:

@@ -28,6 +28,7 @@ from appliance.proxy.door import (
     Direct,
     Door,
     Hold,
+    HoldNow,
     Readiness,
 )
 from appliance.proxy.relay import WaitReady
@@ -241,10 +242,12 @@ def install_in_proxy(
     replicas: direct.Replicas | None = None,
     env: Mapping[str, str] = os.environ,
     readiness: Readiness | None = None,
+    hold_now: HoldNow | None = None,
 ) -> Runtimes | None:
     """Put the door in front of the LiteLLM proxy's app, if this process runs one; its runtimes.
     `wait_ready`: the request hold, for requests sent again after the runtime died; `hold`: the
-    request hold of the fast way (appliance.proxy.relay)."""
+    request hold of the fast way (appliance.proxy.relay), and `hold_now` its first look, which
+    does not leave the request's task."""
     server = sys.modules.get("litellm.proxy.proxy_server")
     if server is None:
         return None  # imported outside the proxy (a test, a tool): nothing to stand in front of
@@ -280,6 +283,7 @@ def install_in_proxy(
             replicas=replicas if runtimes else None,
             readiness=readiness if runtimes else None, pass_through=pass_through,
             runtimes_of=runtimes_of, keys=keys, limits=limits, ledger=ledger, fair=fair,
+            hold_now=hold_now,
         ),
     )  # fmt: skip
     give_large_blocks_back()

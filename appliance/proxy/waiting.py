@@ -99,16 +99,9 @@ class Turnstile:
         """Why a request must wait now, or None. `health`: False when the request's own
         connection will tell (the door's fast way holds it when the runtime does not serve).
         `arrived`: when it came (epoch seconds), for the order of [switching] fcfs."""
-        mark = read_mark(self.state_dir)
-        if mark is not None and mark.problem is not None:
-            self._say(f"the hold mark cannot be read: {mark.problem}; requests wait as in a switch")
-            return f"the hold mark cannot be read ({mark.problem})"
-        if mark is not None and not mark.holds(self.port):
-            mark = None  # a switch of runtimes on other cards: this one goes on serving
-        if mark is not None and not is_switch_token(token, mark):
-            return f"switching to {mark.target}"
-        if mark is None and arrived is not None and self.behind(arrived):
-            return BEHIND
+        why, mark = self.marked(token, arrived)
+        if why is not None:
+            return why
         now = self.clock()
         if mark is not None or not health or now < self.healthy_until:
             return None
@@ -117,6 +110,36 @@ class Turnstile:
             return None  # healthy a moment ago: it goes on, and the answer comes for the next
         # shielded: a request that is cancelled (its client left) leaves the probe to the others
         return None if await asyncio.shield(probing) else NOT_HEALTHY
+
+    def marked(self, token: str | None, arrived: float | None) -> tuple[str | None, Mark | None]:
+        """Why a switch's mark (or [switching] fcfs) holds the request now, or None; and the mark
+        that concerns this runtime."""
+        mark = read_mark(self.state_dir)
+        if mark is not None and mark.problem is not None:
+            self._say(f"the hold mark cannot be read: {mark.problem}; requests wait as in a switch")
+            return f"the hold mark cannot be read ({mark.problem})", mark
+        if mark is not None and not mark.holds(self.port):
+            mark = None  # a switch of runtimes on other cards: this one goes on serving
+        if mark is not None and not is_switch_token(token, mark):
+            return f"switching to {mark.target}", mark
+        if mark is None and arrived is not None and self.behind(arrived):
+            return BEHIND, mark
+        return None, mark
+
+    def pass_now(self, token: str | None) -> bool:
+        """The first look of `wait(token, health=False)`, without waiting or leaving the task:
+        True when the request may go on now (its ticket counted open first, as in `wait`), False
+        when it must `wait`. So a request that is not held is written to the runtime in the same
+        step of its task as the door's checks."""
+        ticket = TICKET.get()
+        if ticket is not None:
+            ticket.open(self.open_requests)
+        arrived = None if ticket is not None and ticket.from_peer else time.time()
+        if self.marked(token, arrived)[0] is None:
+            return True
+        if ticket is not None:
+            ticket.close()
+        return False
 
     def behind(self, arrived: float) -> bool:
         """With [switching] fcfs (strict first come, first served, as llama-swap serves): whether

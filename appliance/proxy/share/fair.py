@@ -68,11 +68,9 @@ class Share:
         self.me = f"{pid}:{start_time(pid)}"
         self.numbers = itertools.count()
 
-    async def enter(
-        self, key: str, priority: str, cost: int, slots: int, limit_s: float | None
-    ) -> Turn:
-        """Run now if fewer than `slots` run, else wait for a turn (HoldTimeout after `limit_s`;
-        None: no limit). A request cancelled while it waits (its client left) leaves its place."""
+    def enter_now(self, key: str, priority: str, cost: int, slots: int) -> Turn | Entry:
+        """The request's turn if it runs now (fewer than `slots` run), else its place in line
+        (then `wait`); without leaving the request's task."""
         self.slots = slots
         entry = Entry(f"{self.me}:{next(self.numbers)}", key, priority, cost, time.time())
         with self.record.open() as turns:
@@ -80,13 +78,21 @@ class Share:
             turns.seen[key] = entry.since
             self._fill(turns)
             now = self._take_mine(turns)
-        self._wake(now)
         if entry.id in now:
+            now.discard(entry.id)
+            self._wake(now)
             return Turn(self, key)
-        waiter = asyncio.get_running_loop().create_future()
-        self.waiters[entry.id], self.entries[entry.id] = waiter, entry
+        self._wake(now)
+        self.waiters[entry.id] = asyncio.get_running_loop().create_future()
+        self.entries[entry.id] = entry
         if self.poller is None or self.poller.done():
             self.poller = asyncio.ensure_future(self._poll())
+        return entry
+
+    async def wait(self, entry: Entry, limit_s: float | None) -> Turn:
+        """Wait for the turn of a request in line (HoldTimeout after `limit_s`; None: no limit).
+        A request cancelled while it waits (its client left) leaves its place."""
+        waiter = self.waiters[entry.id]
         started = time.monotonic()
         try:
             await asyncio.wait_for(
@@ -98,11 +104,18 @@ class Share:
             self._give_up(entry, admitted=waiter.done() and not waiter.cancelled())
             if isinstance(e, TimeoutError):
                 raise HoldTimeout(
-                    f"the runtime runs {slots} requests at once and this one waited its turn",
-                    time.monotonic() - started, retry_after_s=5,
+                    f"the runtime runs {self.slots} requests at once and this one waited its "
+                    "turn", time.monotonic() - started, retry_after_s=5,
                 ) from None  # fmt: skip
             raise
-        return Turn(self, key)
+        return Turn(self, entry.key)
+
+    async def enter(
+        self, key: str, priority: str, cost: int, slots: int, limit_s: float | None
+    ) -> Turn:
+        """`enter_now`, then `wait` if it must."""
+        got = self.enter_now(key, priority, cost, slots)
+        return got if isinstance(got, Turn) else await self.wait(got, limit_s)
 
     def leave(self, turn: Turn) -> None:
         with self.record.open() as turns:
@@ -159,6 +172,16 @@ class Share:
             self._wake(mine)
 
 
+class Waiting:
+    """A request in line for its turn."""
+
+    def __init__(self, share: Share, entry: Entry) -> None:
+        self.share, self.entry = share, entry
+
+    async def turn(self, limit_s: float | None) -> Turn:
+        return await self.share.wait(self.entry, limit_s)
+
+
 class Fair:
     """The turns of every runtime port, in this worker."""
 
@@ -176,12 +199,13 @@ class Fair:
         self.shares: dict[int | None, Share] = {}
         self.said: str | None = None
 
-    async def enter(
-        self, person: Person, backend: Backend | None, cost: int, limit_s: float | None
-    ) -> Turn | None:
-        """The request's turn on its runtime; None when the runtime has not said what it is, or
-        the shared record cannot be written (the journal says so, once)."""
-        facts = await backend.facts() if backend is not None else None
+    def enter_now(
+        self, person: Person, backend: Backend | None, cost: int
+    ) -> Turn | Waiting | None:
+        """The request's turn on its runtime (a Turn), or its place in line (Waiting, to await);
+        None when it takes no turn: the runtime has not said what it is, or the shared record
+        cannot be written (the journal says so, once). Does not leave the request's task."""
+        facts = backend.known if backend is not None else None  # as the door's checks left it
         if backend is None or facts is None:
             return None
         port = urllib.parse.urlsplit(backend.url).port
@@ -190,17 +214,17 @@ class Fair:
             return None
         share = self.shares.get(port)
         if share is None:
-            share = self.shares[port] = Share(
-                self.state_dir, port, self.batch_wait_s, self.keep_free
-            )
+            share = Share(self.state_dir, port, self.batch_wait_s, self.keep_free)
+            self.shares[port] = share
         try:
-            return await share.enter(person.name, person.priority, cost, slots, limit_s)
+            got = share.enter_now(person.name, person.priority, cost, slots)
         except OSError as e:
             problem = f"b70: cannot keep fair turns in {self.state_dir}: {e.strerror or e}"
             if problem != self.said:
                 self.said = problem
                 log(problem + "; requests go to the runtime as they come")
             return None
+        return got if isinstance(got, Turn) else Waiting(share, got)
 
     @staticmethod
     def leave(turn: Turn | None) -> None:
