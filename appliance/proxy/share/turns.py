@@ -44,6 +44,7 @@ POLL_S = 0.01  # a waiting worker's look at the record: a stat; read only when i
 FULL_LOOK_S = 1.0  # ... and read anyway this often (places of workers that died)
 ACTIVE_S = 30.0  # a key that sent a request this recently counts as there ([proxy] keep_free)
 LIVE_S = 1.0  # how long a worker's liveness, once read from /proc, is trusted
+PAD_MOST = 65536  # bytes of spaces a record may keep after its JSON before it is cut
 
 
 @dataclass
@@ -184,6 +185,7 @@ class Record:
         self.path = state_dir / HELD_DIR / f"turns-{port if port is not None else 0}.json"
         self.live: dict[int, tuple[float, bool]] = {}
         self.left: tuple[int, int, int] | None = None  # the file as this worker left it
+        self.made = False  # its folder exists
 
     def changed(self) -> bool:
         """Whether another worker wrote the record since this one last did (a stat, no lock)."""
@@ -197,7 +199,9 @@ class Record:
     def open(self) -> Iterator[Turns]:
         """The record, to change in the block; written back when it ends. Requests of workers
         that are gone are dropped from it first."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.made:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.made = True
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -211,9 +215,12 @@ class Record:
             turns.seen = {k: t for k, t in turns.seen.items() if now - t < ACTIVE_S}
             yield turns
             data = json.dumps(turns.as_json(), separators=(",", ":")).encode()
-            if data != raw:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, data, 0)
+            if data != raw.rstrip(b" "):
+                # Written over in place, padded with spaces (JSON's own) to the old length: a
+                # truncation costs a file system's block bookkeeping, 0.16 ms a time here.
+                if len(raw) - len(data) > PAD_MOST:
+                    os.ftruncate(fd, len(data))
+                os.pwrite(fd, data.ljust(len(raw), b" "), 0)
             st = os.fstat(fd)
             self.left = (st.st_ino, st.st_mtime_ns, st.st_size)
         finally:
