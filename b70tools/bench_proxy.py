@@ -117,11 +117,14 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
+FAIR = [True]  # --no-fair: [proxy] fair = false
+
+
 def appliance_config(proxy_port: int, backend_port: int, workers: int) -> config_mod.Config:
     """examples/demo.toml with its proxy and its runtimes on these ports (demo_text)."""
     text = demo_text(proxy_port, backend_port, "~/.cache/b70")
     cfg = config_mod.parse(text, REPO / "examples" / "demo.toml")
-    return replace(cfg, proxy=replace(cfg.proxy, workers=workers))
+    return replace(cfg, proxy=replace(cfg.proxy, workers=workers, fair=FAIR[0]))
 
 
 # --- the two parts -----------------------------------------------------------------------------
@@ -366,7 +369,11 @@ def main() -> int:
         "phases: where a burst's time goes, step by step inside the proxy's workers; "
         "capacity: chunks/s and CPU per chunk; paced, llama: the steady ratio at 64 streams",
     )
+    parser.add_argument(
+        "--no-fair", action="store_true", help="the proxy without its fair turns ([proxy] fair)"
+    )
     args = parser.parse_args()
+    FAIR[0] = not args.no_fair
     result: dict[str, object] = {}
     workers, parts = max(args.workers), set(args.parts)
     with tempfile.TemporaryDirectory(prefix="b70-bench-proxy-") as tmp:
