@@ -109,6 +109,7 @@ class Ledger:
             folder = usage_dir(self.state_dir)
             if self.pid != os.getpid():  # this worker's first line: the old files go now
                 folder.mkdir(parents=True, exist_ok=True)
+                os.chmod(folder, 0o755)  # the proxy's umask is 0077; `b70ctl usage` is anyone's
                 prune(folder)
                 self.pid = os.getpid()
             fd = os.open(folder / f"{self.pid}.jsonl",

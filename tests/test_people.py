@@ -182,6 +182,19 @@ def test_tokens_a_minute_count_what_the_answers_used(tmp_path: Path) -> None:
     shared.admit(bob)
 
 
+def test_limits_that_cannot_be_kept_let_the_request_go_on_and_say_so_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "held").write_text("a file where the folder would be")
+    shared = _limits(tmp_path, [0.0])
+    bob = people.Person("bob", b"x" * 32, max_parallel=1)
+    for _ in range(3):
+        shared.admit(bob)  # not refused: the counts cannot be kept
+        shared.done(bob, 10)
+    said = capsys.readouterr().err
+    assert said.count("cannot keep the keys' limits") == 1, said
+
+
 def test_a_key_without_limits_costs_no_file(tmp_path: Path) -> None:
     shared = _limits(tmp_path, [0.0])
     shared.admit(people.Person("free", b"x" * 32))
@@ -278,6 +291,7 @@ def test_usage_lines_add_up_since_any_moment(tmp_path: Path) -> None:
     totals = usage.Totals(tmp_path)
     assert totals()["alice"] == usage.Use(2, 11, 22, 0.5) and totals()["bob"].limited == 1
     assert usage.read_usage(tmp_path, since=time.time() + 10) == {}
+    assert usage.usage_dir(tmp_path).stat().st_mode & 0o777 == 0o755  # anyone may read usage
     files = list(usage.usage_dir(tmp_path).glob("*.jsonl"))
     assert [f.name for f in files] == [f"{os.getpid()}.jsonl"]
     with files[0].open("a") as f:

@@ -25,6 +25,7 @@ from typing import Any
 
 from appliance.hold import HELD_DIR, create_beside, start_time
 from appliance.people import Person
+from appliance.proxy.asgi import log
 from appliance.proxy.checks import Refusal
 
 KEYS_DIR = "keys"  # in HELD_DIR
@@ -38,11 +39,20 @@ class Limits:
         self.folder = state_dir / HELD_DIR / KEYS_DIR
         self.clock = clock
         self.me = f"{os.getpid()}:{start_time(os.getpid())}"
+        self.said: str | None = None  # the last problem said in the journal
 
     def admit(self, person: Person) -> None:
-        """Count one request of `person` in, or raise the 429 Refusal that says which limit."""
+        """Count one request of `person` in, or raise the 429 Refusal that says which limit. When
+        the counts cannot be kept (a full or read-only disk), the request goes on and the journal
+        says so, once: a limit is not worth a request failing."""
         if not person.limited:
             return
+        try:
+            self._admit(person)
+        except OSError as e:
+            self._unkept(e)
+
+    def _admit(self, person: Person) -> None:
         with self._record(person.name) as record:
             now = self.clock()
             running = sum(n for owner, n in record["open"].items() if _alive(owner))
@@ -69,6 +79,18 @@ class Limits:
         """A request of `person` that `admit` let in ended, having used `tokens`."""
         if not person.limited:
             return
+        try:
+            self._done(person, tokens)
+        except OSError as e:
+            self._unkept(e)
+
+    def _unkept(self, e: OSError) -> None:
+        problem = f"b70: cannot keep the keys' limits in {self.folder}: {e.strerror or e}"
+        if problem != self.said:
+            self.said = problem
+            log(problem + "; their requests go on unlimited until it can")
+
+    def _done(self, person: Person, tokens: int) -> None:
         with self._record(person.name) as record:
             left = record["open"].get(self.me, 0) - 1
             if left > 0:
