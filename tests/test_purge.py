@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from appliance import hold, layout
@@ -14,7 +15,8 @@ def appliance_files(state: Path) -> None:
     (state / f".{layout.HISTORY}.0123456789ab").write_text("half")  # its writer died
     held = state / hold.HELD_DIR
     held.mkdir()
-    for name in ("4242.json", "4242-8001.json", "open", "open-8000", ".open-8000.00112233aabb"):
+    for name in ("4242.json", "4242-8001.json", "open", "open-8000", ".open-8000.00112233aabb",
+                 "turns-8001.json"):  # fmt: skip
         (held / name).write_text("1")
     for folder, names in (("usage", ["4242.jsonl"]), ("keys", ["alice.json", "alice.lock"])):
         (held / folder).mkdir()
@@ -72,3 +74,17 @@ def test_a_state_directory_of_the_appliance_alone_goes_whole(tmp_path: Path) -> 
 def test_a_missing_state_directory_is_nothing_to_do(tmp_path: Path) -> None:
     out = purge_state(tmp_path / "never")
     assert (out.removed, out.kept, out.failed) == ([], [], [])
+
+
+def test_the_files_the_proxy_makes_are_the_ones_purge_knows(tmp_path: Path) -> None:
+    """The proxy's names come from its own room, which deploy may not import: the patterns here
+    are written out, and this holds them to the proxy's."""
+    from appliance import usage
+    from appliance.deploy.purge import HELD_FILE, HELD_FOLDERS, ours
+    from appliance.proxy.share import limits, turns
+
+    assert ours(turns.Record(tmp_path, 8001).path.name, HELD_FILE)
+    assert ours(turns.Record(tmp_path, None).path.name, HELD_FILE)
+    assert limits.KEYS_DIR in HELD_FOLDERS and ours("alice.json", HELD_FOLDERS[limits.KEYS_DIR])
+    assert ours("alice.lock", HELD_FOLDERS[limits.KEYS_DIR])
+    assert ours(f"{os.getpid()}.jsonl", HELD_FOLDERS[usage.USAGE_DIR])

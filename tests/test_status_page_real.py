@@ -139,6 +139,11 @@ def test_the_page_reads_the_runtime_switches_live_and_charts_the_samples(page: P
         assert "llamacpp → vllm" in row and "ok" in row
         why = "document.querySelector('#switches tr.switch [data-reason]').dataset.reason"
         assert b.evaluate(why) == "by hand"  # the page's button is a switch by hand
+        # The switch verified vLLM through :8000 with the master key: the keys' table counts it
+        b.wait_for("document.querySelector('#keys tr.key[data-key=master]') !== null", 30,
+                   "the master key's use in the keys' table")  # fmt: skip
+        used = b.evaluate("document.querySelector('#keys tr.key[data-key=master]').textContent")
+        assert used.startswith("master") and not used.startswith("master0"), used
 
 
 def test_a_switch_from_another_site_is_refused(page: Page) -> None:
