@@ -27,6 +27,12 @@ def serving(app: Appliance) -> tuple[str, dict[str, Any]]:
     return name, unit
 
 
+def made(app: Appliance, name: str) -> str:
+    """A person's key of that name, made now if there is none."""
+    app.b70ctl("keys", "add", name)  # refused when it exists: either way it is there
+    return name
+
+
 # Each command: its arguments (given the appliance and a scratch directory), and the keys its
 # result must have. install and uninstall are below, on an appliance of their own.
 Args = Callable[[Appliance, Path], list[str]]
@@ -60,6 +66,11 @@ GOOD: dict[tuple[str, ...], tuple[Args, set[str]]] = {
         {"devices", "need_bytes", "free"},
     ),
     ("unpin",): (lambda app, tmp: [], {"unpinned"}),
+    ("keys", "add"): (lambda app, tmp: [f"json-{tmp.name[-12:]}"], {"name", "key", "priority"}),
+    ("keys", "list"): (lambda app, tmp: [], {"keys"}),
+    ("keys", "rotate"): (lambda app, tmp: [made(app, "json-rotate")], {"name", "key"}),
+    ("keys", "revoke"): (lambda app, tmp: [made(app, "json-revoke")], {"revoked"}),
+    ("usage",): (lambda app, tmp: ["--since", "1h"], {"since", "keys"}),
     ("unit", "pre"): (lambda app, tmp: ["--port", str(free_port())], {"port", "free"}),
     ("unit", "ready"): (
         lambda app, tmp: [
@@ -72,7 +83,7 @@ GOOD: dict[tuple[str, ...], tuple[Args, set[str]]] = {
 
 
 def test_the_table_covers_every_command_that_has_a_result() -> None:
-    groups = {("unit",)}  # a group without a command of its own: only a usage error
+    groups = {("unit",), ("keys",)}  # groups without a command of their own: a usage error
     # doctor fails on this appliance's broken runtime, as it should: tests/test_doctor.py runs
     # it on a healthy host of its own and checks the envelope there.
     own = {("install",), ("uninstall",), ("doctor",)}

@@ -10,10 +10,12 @@ Every decision is written to the monitor's record with its reason; `b70ctl statu
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -97,9 +99,11 @@ def act(
     m: Memory,
     log: Any,
     mine: Memory | None = None,
+    persist: Callable[[], object] | None = None,
 ) -> None:
     """Restart or fail over; counted in `m`; a failed failover backs off `mine` (the runtime's
-    memory, or `m`)."""
+    memory, or `m`). `persist`: writes the count down before systemd is asked, so that a
+    monitor killed while the restart runs still has it when it comes back."""
     m.last_action = {
         "at": time.time(),
         "what": action.kind,
@@ -111,6 +115,8 @@ def act(
         m.restarts_by_monitor += 1
         if mine is not None and mine is not m:
             mine.restarts_by_monitor += 1  # the runtime's own count, for its metric
+        if persist is not None:
+            persist()
         try:
             _restart_unless_switching(config, sd, action.runtime)
         except ApplianceError as e:  # systemd refused: say so, and judge again next sample
@@ -261,8 +267,9 @@ def sample(
             if mine.last_failure and mine.last_failure != m.last_failure:
                 m.last_failure = mine.last_failure
             if action:
-                act(config, scope, sd, action, m, log, mine)
-                save(lay.state_dir, m, o, log)  # a monitor killed right after still counts it
+                persist = functools.partial(save, lay.state_dir, m, o, log)
+                act(config, scope, sd, action, m, log, mine, persist)
+                save(lay.state_dir, m, o, log)  # and what the restart or failover came to
         units = {rt.unit: sd.properties(rt.unit) for rt in config.runtimes.values()}
         units[PROXY_UNIT] = sd.properties(PROXY_UNIT)
     o = observed[0]  # the first runtime by name: the one the record describes
