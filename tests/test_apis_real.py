@@ -94,13 +94,13 @@ CODEX = CACHE / "codex-0.171.0" / "node_modules" / ".bin" / "codex"
 # asks for no most tokens of an answer, so llama-server's own -n caps them, and --ignore-eos makes
 # every answer that long. 256 tokens were too few: llama-server answers /metrics only between its
 # batches, so the test saw the request in flight after its prompt's one long batch, and once the
-# 256 tokens were done before the switch's drain began (2 s later). 1024 tokens take several
+# 256 tokens were done before the switch's drain began (2 s later). 512 tokens take several
 # times that; the drain may wait 180 s for them.
 CODEX_TRIM = ["multi_agent", "apps", "plugins", "image_generation", "view_image", "browser_use",
               "computer_use", "goals", "skill_search", "tool_suggest"]  # fmt: skip
 LONG = (
     '"-c", "2048", "--parallel", "2"',
-    '"-c", "8192", "--parallel", "1", "-n", "1024", "--ignore-eos"',
+    '"-c", "8192", "--parallel", "1", "-n", "512", "--ignore-eos"',
 )
 DRAIN = ("hold_s = 120", "hold_s = 300\ndrain_s = 180")
 

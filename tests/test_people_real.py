@@ -33,11 +33,15 @@ def _chat(client: Any, stream: bool = False, max_tokens: int = 8) -> Any:
 
 
 def _wait_for(check: Any, seconds: float = 15.0) -> Any:
+    """`check()` once it passes: an AssertionError, or a 401 for a key the door has not seen yet
+    (it looks at the keys file every half second), is tried again until `seconds` pass."""
+    import openai
+
     deadline = time.monotonic() + seconds
     while True:
         try:
             result = check()
-        except AssertionError:
+        except (AssertionError, openai.AuthenticationError):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
