@@ -8,12 +8,15 @@ from pathlib import Path
 from appliance.hold import create_beside
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write `text` to `path` so that readers see the old file or the new one, never half."""
+def write_atomic(path: Path, text: str, mode: int = 0o644, owner: int | None = None) -> None:
+    """Write `text` to `path` so that readers see the old file or the new one, never half.
+    `owner`: the uid the file belongs to (else the writer's)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = create_beside(path)
     try:
         os.fchmod(fd, mode)
+        if owner is not None:
+            os.fchown(fd, owner, -1)
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()

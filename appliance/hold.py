@@ -67,7 +67,7 @@ def create_beside(path: Path) -> tuple[int, str]:
             continue
 
 
-def _write(path: Path, text: str) -> None:
+def write_shared(path: Path, text: str) -> None:
     """Replace a file at once. Not files.write_atomic: no fsync, because the proxy writes its
     counts on its event loop, and the mark and the counts mean nothing after a reboot.
 
@@ -112,7 +112,7 @@ def marked(state_dir: Path, target: str, ports: tuple[int, ...] | None = None) -
     record = {**mark.__dict__, "pid_start": start_time(mark.pid)}
     path = state_dir / HOLD_FILE
     try:
-        _write(path, json.dumps(record) + "\n")
+        write_shared(path, json.dumps(record) + "\n")
     except OSError as e:
         raise Unwritable(path, e.strerror or str(e)) from None
     try:
@@ -185,7 +185,7 @@ def write_counts(
     if port is not None:
         record |= {"port": port, "oldest": oldest, "tokens": tokens}
     name = f"{os.getpid()}.json" if port is None else f"{os.getpid()}-{port}.json"
-    _write(folder / name, json.dumps(record) + "\n")
+    write_shared(folder / name, json.dumps(record) + "\n")
 
 
 def _worker_files(folder: Path, alive: bool) -> Iterator[tuple[Path, dict[str, object]]]:
@@ -252,7 +252,7 @@ def write_demand(state_dir: Path, doc: dict[str, object]) -> None:
     """The switch on demand's record ({"refused": {PORT: {runtime, until, why}}, ...}): written by
     the monitor, read by the proxy's workers (so readable by all, like the mark)."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    _write(state_dir / DEMAND_FILE, json.dumps(doc, sort_keys=True) + "\n")
+    write_shared(state_dir / DEMAND_FILE, json.dumps(doc, sort_keys=True) + "\n")
 
 
 def read_demand(state_dir: Path) -> dict[str, object]:

@@ -17,7 +17,8 @@ master key, with no early exit. The ring looks at the file at most every half se
 it when it changed, so the proxy sees a change within a second, without a restart. A file that
 cannot be read or makes no sense keeps the last good one, and the journal says so once.
 
-Imported by the proxy: nothing from the rest of the controller but appliance.hold.
+Imported by the proxy: nothing from the rest of the controller but appliance.files and
+appliance.hold.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from appliance.hold import create_beside
+from appliance.files import write_atomic
 
 KEYS_FILE = "keys.json"
 KEYS_LOCK = "keys.lock"  # an flock only, beside the file, which is replaced on every change
@@ -186,29 +187,9 @@ def editing(state_dir: Path, owner: int | None = None) -> Iterator[dict[str, Per
         before = dict(people)
         yield people
         if people != before:
-            _write(state_dir / KEYS_FILE, dump_keys(people), owner)
+            write_atomic(state_dir / KEYS_FILE, dump_keys(people), mode=0o600, owner=owner)
     finally:
         os.close(fd)  # and the flock with it
-
-
-def _write(path: Path, text: str, owner: int | None) -> None:
-    fd, tmp = create_beside(path)  # mode 0600
-    try:
-        if owner is not None:
-            os.fchown(fd, owner, -1)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def added(people: dict[str, Person], name: str, secret: str, **limits: object) -> Person:

@@ -47,7 +47,7 @@ def test_a_note_that_cannot_be_written_does_not_stop_the_switch(
 def test_a_hold_mark_that_cannot_be_written_is_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(hold, "_write", full)
+    monkeypatch.setattr(hold, "write_shared", full)
     with pytest.raises(hold.Unwritable), hold.marked(tmp_path, "vllm"):
         pass
     with pytest.raises(errors.ApplianceError) as e, edges.holding(tmp_path, "vllm"):

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from appliance.hold import HELD_DIR, create_beside, start_time
+from appliance.hold import HELD_DIR, start_time, write_shared
 from appliance.people import Person
 from appliance.proxy.asgi import log
 from appliance.proxy.checks import Refusal
@@ -110,7 +110,7 @@ class Limits:
             fcntl.flock(fd, fcntl.LOCK_EX)
             record = _read(path)
             yield record
-            _write(path, record)
+            write_shared(path, json.dumps(record, separators=(",", ":")))
         finally:
             os.close(fd)
 
@@ -150,15 +150,3 @@ def _read(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return empty  # none yet, or cut short: the counts start again
     return {"open": open_, "asked": asked, "spent": spent}
-
-
-def _write(path: Path, record: dict[str, Any]) -> None:
-    fd, tmp = create_beside(path)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, separators=(",", ":"))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
