@@ -100,6 +100,25 @@ def test_the_third_request_waits_for_a_place_and_gets_it_when_one_ends(tmp_path:
     asyncio.run(run())
 
 
+def test_a_turn_given_before_its_request_waits_for_it_is_kept(tmp_path: Path) -> None:
+    """The door takes its place in line, then waits in a task of its own: a place freed between
+    the two (another request ended) is the request's turn, not an error (CI, session 19)."""
+
+    async def run() -> None:
+        share = fair.Share(tmp_path, 8001, 30.0)
+        running = share.enter_now("heavy", INTERACTIVE, 100, 1)
+        waiting = share.enter_now("light", INTERACTIVE, 10, 1)
+        assert isinstance(running, fair.Turn) and isinstance(waiting, fair.Waiting)
+        share.leave(running)  # before `waiting` waits
+        turn = await asyncio.wait_for(waiting.turn(1.0), 1.0)
+        assert turn.key == "light"
+        assert list(json.loads(share.record.path.read_text())["running"].values()) == [
+            {"light": 1}
+        ]
+
+    asyncio.run(run())
+
+
 def test_a_place_another_worker_frees_is_seen_by_the_poll(tmp_path: Path) -> None:
     async def run() -> None:
         one, other = fair.Share(tmp_path, 8001, 30.0), fair.Share(tmp_path, 8001, 30.0)

@@ -68,7 +68,7 @@ class Share:
         self.me = f"{pid}:{start_time(pid)}"
         self.numbers = itertools.count()
 
-    def enter_now(self, key: str, priority: str, cost: int, slots: int) -> Turn | Entry:
+    def enter_now(self, key: str, priority: str, cost: int, slots: int) -> Turn | Waiting:
         """The request's turn if it runs now (fewer than `slots` run), else its place in line
         (then `wait`); without leaving the request's task."""
         self.slots = slots
@@ -83,16 +83,19 @@ class Share:
             self._wake(now)
             return Turn(self, key)
         self._wake(now)
-        self.waiters[entry.id] = asyncio.get_running_loop().create_future()
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters[entry.id] = waiter
         self.entries[entry.id] = entry
         if self.poller is None or self.poller.done():
             self.poller = asyncio.ensure_future(self._poll())
-        return entry
+        return Waiting(self, entry, waiter)
 
-    async def wait(self, entry: Entry, limit_s: float | None) -> Turn:
+    async def wait(self, waiting: Waiting, limit_s: float | None) -> Turn:
         """Wait for the turn of a request in line (HoldTimeout after `limit_s`; None: no limit).
-        A request cancelled while it waits (its client left) leaves its place."""
-        waiter = self.waiters[entry.id]
+        Its turn may have come before this wait began (another request ended meanwhile): the
+        future is the request's own, not looked up. A request cancelled while it waits (its
+        client left) leaves its place."""
+        entry, waiter = waiting.entry, waiting.waiter
         started = time.monotonic()
         try:
             await asyncio.wait_for(
@@ -115,7 +118,7 @@ class Share:
     ) -> Turn:
         """`enter_now`, then `wait` if it must."""
         got = self.enter_now(key, priority, cost, slots)
-        return got if isinstance(got, Turn) else await self.wait(got, limit_s)
+        return got if isinstance(got, Turn) else await got.turn(limit_s)
 
     def leave(self, turn: Turn) -> None:
         with self.record.open() as turns:
@@ -173,13 +176,13 @@ class Share:
 
 
 class Waiting:
-    """A request in line for its turn."""
+    """A request in line for its turn, and the future its turn sets."""
 
-    def __init__(self, share: Share, entry: Entry) -> None:
-        self.share, self.entry = share, entry
+    def __init__(self, share: Share, entry: Entry, waiter: asyncio.Future[None]) -> None:
+        self.share, self.entry, self.waiter = share, entry, waiter
 
     async def turn(self, limit_s: float | None) -> Turn:
-        return await self.share.wait(self.entry, limit_s)
+        return await self.share.wait(self, limit_s)
 
 
 class Fair:
@@ -224,7 +227,7 @@ class Fair:
                 self.said = problem
                 log(problem + "; requests go to the runtime as they come")
             return None
-        return got if isinstance(got, Turn) else Waiting(share, got)
+        return got
 
     @staticmethod
     def leave(turn: Turn | None) -> None:
