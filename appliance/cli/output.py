@@ -80,6 +80,11 @@ def render_status(s: dict[str, Any]) -> str:
         lines.append(
             f"{key:<9} {p['url']}  {'healthy' if p['healthy'] else 'unhealthy: ' + p['detail']}"
         )
+    tls = s["proxy"].get("tls")
+    if tls:
+        kind = "self-signed " if tls["self_signed"] else ""
+        fp = tls["fingerprint"] or "cannot be read (by you, or yet: `b70ctl install` makes it)"
+        lines.append(f"tls       {kind}certificate {tls['cert']}, SHA-256 fingerprint {fp}")
     held = s.get("hold")
     if held:
         doing = f"switching to {held['switching_to']}; " if held["switching_to"] else ""
@@ -369,9 +374,19 @@ def render_install(r: dict[str, Any]) -> str:
     elif change is not None:
         lines.append(f"wrote {change['path']}")
     lines.append(f"enabled {', '.join(r['enabled'])}")
+    if r["tls"] is not None:
+        lines.append(render_tls(r["tls"]))
     lines += [f"started {unit}" for unit in r["started"]]
     lines += [f"note: {note}" for note in r["notes"]]
     return "\n".join(lines)
+
+
+def render_tls(tls: dict[str, Any]) -> str:
+    """The certificate the proxy serves: what a client compares before it trusts it."""
+    made = (
+        " (self-signed, made now)" if tls["new"] else " (self-signed)" if tls["self_signed"] else ""
+    )
+    return f"TLS: certificate {tls['cert']}{made}, SHA-256 fingerprint {tls['fingerprint']}"
 
 
 def render_removed(removed: list[str], kept: list[str] | None = None) -> str:

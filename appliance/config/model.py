@@ -89,6 +89,11 @@ class ProxyConfig:
     # Places kept for a key with nothing running while another key fills the runtime: its first
     # token comes at once, and the key that fills the runtime runs that many fewer at once.
     keep_free: int = 0
+    # TLS on the port (appliance/keys.py): the owner's certificate and key, or (both None) one
+    # `b70ctl install` makes, self-signed. Plain HTTP still answers loopback.
+    tls: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass(frozen=True)

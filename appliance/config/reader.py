@@ -213,6 +213,9 @@ class _Reader(CardKeys, ServingKeys):
             "fair",
             "batch_wait_s",
             "keep_free",
+            "tls",
+            "tls_cert",
+            "tls_key",
         }
         self.known(t, p, allowed)
         model = self.get(t, "model", p, str, "b70", check_model_name)
@@ -221,7 +224,11 @@ class _Reader(CardKeys, ServingKeys):
             if (problem := check_model_name(alias)) or alias == model:
                 raise self.fail(p + "aliases", f"{alias!r}: {problem or 'repeats proxy.model'}")
         litellm = self.path_value(t, "litellm", p, "/") if "litellm" in t else None
+        tls, cert, key = self.tls(t, p)
         return ProxyConfig(
+            tls=tls,
+            tls_cert=cert,
+            tls_key=key,
             host=self.get(t, "host", p, str, "127.0.0.1", check_listen_host),
             port=self.get(t, "port", p, int, 8000, check_port),
             model=model,
@@ -243,6 +250,29 @@ class _Reader(CardKeys, ServingKeys):
                 * MIB
             ),
         )
+
+    def tls(self, t: Mapping[str, Any], p: str) -> tuple[bool, str | None, str | None]:
+        """`tls`, and the owner's certificate and key: both or neither, and only with TLS on."""
+        tls = self.get(t, "tls", p, bool, False)
+        given = [k for k in ("tls_cert", "tls_key") if k in t]
+        if given and not tls:
+            raise self.fail(
+                p + given[0], "is set but tls is false",
+                hint="set tls = true to serve it, or remove tls_cert and tls_key",
+            )  # fmt: skip
+        if len(given) == 1:
+            other = "tls_key" if given[0] == "tls_cert" else "tls_cert"
+            raise self.fail(
+                p + given[0], f"is set without {other}",
+                hint="give both (the certificate and its private key), or neither for a "
+                "self-signed certificate made at install",
+            )  # fmt: skip
+        paths = [self.path_value(t, k, p, "/") for k in given]
+        for k, path in zip(given, paths, strict=True):
+            if not path.isprintable():
+                raise self.fail(p + k, f"{path!r} holds a character that is not printable")
+        cert, key = paths if paths else (None, None)
+        return tls, cert, key
 
     def monitor(self, t: Mapping[str, Any], names: set[str]) -> MonitorConfig:
         p = "monitor."

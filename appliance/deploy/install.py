@@ -13,6 +13,7 @@ from pathlib import Path
 
 from appliance import run
 from appliance.config import Config
+from appliance.deploy import certificate
 from appliance.deploy.purge import purge_state
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
@@ -180,6 +181,7 @@ class InstallResult:
     removed: list[str] = field(default_factory=list)
     boot_runtime: str = ""  # the runtimes enabled at boot (", "), started if none runs
     boot_runtimes: list[str] = field(default_factory=list)
+    tls: certificate.Certificate | None = None  # the certificate the proxy serves (TLS on)
 
 
 def install(
@@ -189,6 +191,7 @@ def install(
     lay = layout(scope)
     files = render_all(config, lay)
     verify_units(files, scope)  # before anything is written
+    certificate.check_given(config, lay)
     changed = changed_files(files, lay)
     with writer_lock(lay.state_dir, "install") as lock, systemd.connect(scope) as sd:
         if now:  # what would keep the units from starting, before anything is written
@@ -237,6 +240,7 @@ def _write(
     stamp(config, lay, files)
     if SYSUSERS in changed:
         create_users(lay.destination(SYSUSERS))
+    tls = certificate.ensure(config, lay)  # after the proxy's user is made: its key is theirs
     sd.reload()
     runtime_units = [rt.unit for rt in config.runtimes.values()]
     enabled = [u for u in runtime_units if sd.properties(u).unit_file_state == "enabled"]
@@ -261,6 +265,7 @@ def _write(
         removed=[str(lay.destination(u)) for u in dropped],
         boot_runtime=", ".join(boot),
         boot_runtimes=boot,
+        tls=tls,
     )
 
 
@@ -269,6 +274,7 @@ def _start_proxy(
 ) -> None:
     """The proxy started, or restarted when what it runs changed."""
     proxy_changed = PROXY_UNIT in changed or PROXY_CONFIG in changed
+    proxy_changed |= result.tls is not None and result.tls.new  # a new certificate to serve
     if PROXY_SOCKET in changed and sd.properties(PROXY_SOCKET).active_state == "active":
         # A new address: the socket is bound again. Stopping it stops the proxy (Requires=),
         # which is then started below, with the new socket.

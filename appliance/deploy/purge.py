@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import hold, layout, people, usage
+from appliance import hold, keys, layout, people, usage
 from appliance.switch.demand.pins import PIN_FILE
 
 # The state directory's files, each made by the appliance (appliance.layout, appliance.hold).
@@ -27,6 +27,8 @@ STATE_FILES = frozenset(
         PIN_FILE,
         people.KEYS_FILE,
         people.KEYS_LOCK,
+        keys.TLS_CERT_FILE,  # the self-signed certificate install made, and its key
+        keys.TLS_KEY_FILE,
     }
 )
 # In the proxy's folder of held requests: a file per worker and runtime port (PID.json,

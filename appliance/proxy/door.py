@@ -227,8 +227,10 @@ class Door:
         ledger: Ledger | None = None,
         fair: Fair | None = None,
         hold_now: HoldNow | None = None,
+        in_clear: Callable[[Scope], Refusal | None] | None = None,
     ) -> None:
         self.app = app
+        self.in_clear = in_clear  # with TLS on, a request in clear from afar (proxy/share/tls.py)
         self.backend = backend
         # The runtime that serves a model name, where runtimes serve side by side (else backend)
         self.backend_of = backend_of
@@ -265,6 +267,9 @@ class Door:
             return
         arrived = self.clock()
         SHAPE.set(apis.shape_of(route_path(scope)))  # this request's task alone
+        if self.in_clear is not None and (refusal := self.in_clear(scope)) is not None:
+            await refusal.send(send)
+            return
         try:
             checked = await self.check(scope, receive)
         except Refusal as refusal:

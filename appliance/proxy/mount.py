@@ -13,6 +13,7 @@ import gc
 import logging
 import math
 import os
+import ssl
 import sys
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -32,6 +33,7 @@ from appliance.proxy.door import (
     Readiness,
 )
 from appliance.proxy.relay import WaitReady
+from appliance.proxy.share import tls
 from appliance.proxy.share.fair import DEFAULT_BATCH_WAIT_S, Fair, parse_slots
 from appliance.proxy.share.limits import Limits
 from appliance.usage import Ledger
@@ -273,6 +275,7 @@ def install_in_proxy(
         fair = Fair(
             Path(state), parse_slots(env.get("B70_SLOTS", "")), batch_wait_s(env), keep_free
         )
+    in_clear = serve_tls(env)
     install(
         app,
         lambda inner: Door(
@@ -283,13 +286,33 @@ def install_in_proxy(
             replicas=replicas if runtimes else None,
             readiness=readiness if runtimes else None, pass_through=pass_through,
             runtimes_of=runtimes_of, keys=keys, limits=limits, ledger=ledger, fair=fair,
-            hold_now=hold_now,
+            hold_now=hold_now, in_clear=in_clear,
         ),
     )  # fmt: skip
     give_large_blocks_back()
     quiet_access_log()
     freeze_the_loaded_heap()
     return runtimes
+
+
+def serve_tls(env: Mapping[str, str]) -> tls.InClear | None:
+    """With `[proxy] tls` (B70_TLS_CERT, B70_TLS_KEY): this worker takes TLS beside plain HTTP,
+    and the door refuses plain HTTP from afar. A certificate that does not load, or a server
+    that cannot be found, stops the proxy rather than serve keys in clear."""
+    cert, key = env.get("B70_TLS_CERT"), env.get("B70_TLS_KEY")
+    if not cert or not key:
+        return None
+    try:
+        certificate = tls.Certificate(Path(cert), Path(key))
+    except (OSError, ssl.SSLError) as e:
+        raise DoorNotMounted(f"TLS is on, and its certificate {cert} does not load: {e}") from None
+    if tls.serve_beside_plain(certificate) == 0:
+        raise DoorNotMounted(
+            "TLS is on, and this worker's uvicorn server was not found to serve it: a uvicorn "
+            "release other than the pinned one?"
+        )
+    log(f"b70: TLS on the proxy's port, certificate {cert}, SHA-256 {certificate.fingerprint}")
+    return tls.InClear(certificate)
 
 
 def freeze_the_loaded_heap() -> None:

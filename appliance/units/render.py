@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from appliance.host.gpu.sysfs import Device
 from appliance.config import LOOPBACK_NAMES, BackendConfig, Config, Launcher, RuntimeConfig
 from appliance.hold import PEER_HEADER
+from appliance.keys import tls_files
 from appliance.layout import (
     MONITOR_UNIT,
     PROXY_CONFIG,
@@ -225,6 +226,9 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         # For the request checks (appliance.proxy.door): the largest body taken, in bytes.
         "B70_MAX_BODY_BYTES": str(config.proxy.max_body_bytes),
     }
+    tls = tls_files(config.proxy.tls, config.proxy.tls_cert, config.proxy.tls_key, lay.state_dir)
+    if tls is not None:  # TLS beside plain HTTP on the port (appliance/proxy/share/tls.py)
+        env["B70_TLS_CERT"], env["B70_TLS_KEY"] = str(tls.cert), str(tls.key)
     if config.peers.urls:  # other appliances' proxies: their readiness and the key they take
         env["B70_PEER_URL"] = " ".join(config.peers.urls)
     if not config.proxy.pass_through:  # every model request LiteLLM's full way (relay.py)

@@ -226,7 +226,9 @@ def proxy(config: Config, lay: Layout, litellm: str) -> list[Directive]:
             "(ExecStartPost=) must read the proxy's /proc/PID/fd to know the port is its own.",
         ),
     ]
-    out += _files(lay, [str(lay.proxy_config), config.b70ctl, litellm], state=HELD_DIR)
+    reads = [str(lay.proxy_config), config.b70ctl, litellm]
+    reads += [p for p in (config.proxy.tls_cert, config.proxy.tls_key) if p]  # the owner's TLS
+    out += _files(lay, reads, state=HELD_DIR)
     out += _cache("b70-litellm.service", {})
     # Peers and their Redis: the proxy talks to them, so it is not loopback-only
     peers = [urllib.parse.urlsplit(url).hostname or "" for url in config.peers.urls]

@@ -9,6 +9,7 @@ from appliance import hold
 from appliance.config import Config, Launcher
 from appliance.errors import ConfigError
 from appliance.host import health, placement, processes, runtime_http
+from appliance.keys import file_fingerprint, tls_files
 from appliance.layout import MONITOR_UNIT, PROXY_SOCKET, PROXY_UNIT, Scope, layout
 from appliance.switch.demand.queues import demand_view
 from appliance.switch.lock import waiting_trace
@@ -51,6 +52,7 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
             "url": runtimes.proxy_url(config),
             "healthy": proxy.healthy,
             "detail": proxy.detail,
+            "tls": tls_view(config, lay.state_dir),
         },
         "hold": hold_view(lay.state_dir),
         "last_switch": last,
@@ -60,6 +62,18 @@ def status(config: Config, scope: Scope) -> dict[str, Any]:
         "killed_switch": killed,
         "monitor": monitor_view(lay.state_dir),
     }
+
+
+def tls_view(config: Config, state_dir: Path) -> dict[str, Any] | None:
+    """The certificate the proxy serves over TLS, and its fingerprint (None: cannot be read)."""
+    p = config.proxy
+    files = tls_files(p.tls, p.tls_cert, p.tls_key, state_dir)
+    if files is None:
+        return None
+    return {
+        "cert": str(files.cert), "self_signed": files.made,
+        "fingerprint": file_fingerprint(files.cert),
+    }  # fmt: skip
 
 
 def _probe_backends(config: Config, active: list[str]) -> tuple[list[str], health.Probe]:
