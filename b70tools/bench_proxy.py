@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -118,13 +119,16 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 FAIR = [True]  # --no-fair: [proxy] fair = false
+TLS: list[tuple[str, str] | None] = [None]  # [proxy] tls with this certificate and key (tls_costs)
 
 
 def appliance_config(proxy_port: int, backend_port: int, workers: int) -> config_mod.Config:
     """examples/demo.toml with its proxy and its runtimes on these ports (demo_text)."""
     text = demo_text(proxy_port, backend_port, "~/.cache/b70")
     cfg = config_mod.parse(text, REPO / "examples" / "demo.toml")
-    return replace(cfg, proxy=replace(cfg.proxy, workers=workers, fair=FAIR[0]))
+    cert, key = TLS[0] or (None, None)
+    proxy = replace(cfg.proxy, workers=workers, fair=FAIR[0], tls=cert is not None)
+    return replace(cfg, proxy=replace(proxy, tls_cert=cert, tls_key=key))
 
 
 # --- the two parts -----------------------------------------------------------------------------
@@ -327,6 +331,62 @@ def door_costs(root: Path, workers: int, rounds: int, total_tokens_per_s: float,
     return result
 
 
+def tls_costs(root: Path, workers: int, rounds: int, total_tokens_per_s: float,
+              streams: int = 64, tokens: int = 256) -> dict[str, object]:  # fmt: skip
+    """TLS against plain HTTP on one proxy with [proxy] tls (one port speaks both), against the
+    paced source: a burst of `streams` at once, each on a new connection (its handshake
+    counted), alternated TLS, plain, direct; then one request at a time each way."""
+    from appliance.deploy.certificate import make_self_signed
+
+    cert, key_file = root / "tls.crt", root / "tls.key"
+    pem, key_pem = make_self_signed((["localhost"], ["127.0.0.1"]))
+    cert.write_text(pem)
+    key_file.write_text(key_pem)
+    trust = ssl.create_default_context(cafile=str(cert))
+    TLS[0] = (str(cert), str(key_file))
+    try:
+        with paced_proxy(root, workers, total_tokens_per_s / streams) as ((port, key), source):
+            for tls in (trust, None):  # warm every worker, both ways
+                stream_client.arrivals(port, key, "smollm2", 16, [0.0] * streams,
+                                       first_n=-(10**6), tls=tls)  # fmt: skip
+            ways = {"tls": (port, key, trust), "plain": (port, key, None),
+                    "direct": (source, "none", None)}  # fmt: skip
+            rows: dict[str, list[dict[str, float]]] = {w: [] for w in ways}
+            singles: dict[str, list[float]] = {w: [] for w in ways}
+            for i in range(rounds):
+                for way, (p, k, tls) in ways.items():
+                    runs = stream_client.arrivals(p, k, "smollm2", tokens, [0.0] * streams,
+                                                  first_n=i * streams, tls=tls)  # fmt: skip
+                    rows[way].append(stream_client.summarize(runs))
+                    said = ", ".join(f"{k_} {v:.1f}" for k_, v in rows[way][-1].items())
+                    print(f"tls: burst of {streams}, round {i + 1}, {way:6}: {said}", flush=True)
+            for i in range(30):
+                for way, (p, k, tls) in ways.items():
+                    (run,) = stream_client.arrivals(p, k, "smollm2", 16, [0.0],
+                                                    first_n=10**6 + i, tls=tls)  # fmt: skip
+                    if run["first"] is not None:
+                        singles[way].append(1000 * (run["first"] - run["sent"]))
+    finally:
+        TLS[0] = None
+    med = {w: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for w, rs in rows.items()}
+    direct = med["direct"]["tokens_per_s"]
+    out: dict[str, object] = {"workers": workers, "burst": med}
+    for way in ("tls", "plain"):
+        out[f"burst_ratio_{way}"] = med[way]["tokens_per_s"] / direct
+        out[f"single_ttft_ms_{way}"] = statistics.median(singles[way])
+    out["single_ttft_ms_direct"] = statistics.median(singles["direct"])
+    print(
+        f"tls: burst of {streams}: tokens/s through / direct, TLS {out['burst_ratio_tls']:.3f}, "
+        f"plain {out['burst_ratio_plain']:.3f}; median time to first token TLS "
+        f"{med['tls']['ttft_median_ms']:.0f} ms, plain {med['plain']['ttft_median_ms']:.0f} ms, "
+        f"direct {med['direct']['ttft_median_ms']:.0f} ms; one request alone, time to first "
+        f"token TLS {out['single_ttft_ms_tls']:.1f} ms, plain {out['single_ttft_ms_plain']:.1f} "
+        f"ms, direct {out['single_ttft_ms_direct']:.1f} ms",
+        flush=True,
+    )
+    return out
+
+
 def door_phases(root: Path, workers: int, rounds: int, total_tokens_per_s: float,
                 streams: int = 64, tokens: int = 256) -> list[dict[str, float]]:  # fmt: skip
     """Where a burst's time goes: the proxy through b70tools.proxy_phases (its steps noted in
@@ -363,9 +423,10 @@ def main() -> int:
     parser.add_argument(
         "--parts",
         nargs="+",
-        choices=["burst", "phases", "capacity", "paced", "llama"],
-        default=["burst", "phases", "capacity", "paced", "llama"],
+        choices=["burst", "phases", "capacity", "paced", "llama", "tls"],
+        default=["burst", "phases", "capacity", "paced", "llama", "tls"],
         help="burst: a burst, a stagger and single requests against the paced source; "
+        "tls: the same burst and single requests over TLS and plain HTTP on one port; "
         "phases: where a burst's time goes, step by step inside the proxy's workers; "
         "capacity: chunks/s and CPU per chunk; paced, llama: the steady ratio at 64 streams",
     )
@@ -380,6 +441,8 @@ def main() -> int:
         root = Path(tmp)
         if "burst" in parts:
             result["door"] = door_costs(root, workers, args.rounds, args.paced_tokens_per_s)
+        if "tls" in parts:
+            result["tls"] = tls_costs(root, workers, args.rounds, args.paced_tokens_per_s)
         if "phases" in parts:
             result["phases"] = door_phases(root, workers, args.rounds, args.paced_tokens_per_s)
         if "capacity" in parts:

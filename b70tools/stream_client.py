@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import statistics
 import time
 from dataclasses import dataclass
@@ -123,10 +124,14 @@ def steady(
 # --- arrivals ------------------------------------------------------------------------------------
 
 
-async def _one(port: int, key: str, model: str, tokens: int, n: int, at: float) -> dict[str, Any]:
+async def _one(
+    port: int, key: str, model: str, tokens: int, n: int, at: float,
+    tls: ssl.SSLContext | None = None,
+) -> dict[str, Any]:  # fmt: skip
     await asyncio.sleep(max(0.0, at - time.monotonic()))
     sent = time.monotonic()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    host = "localhost" if tls is not None else None  # a TLS connection: its handshake counts
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=tls, server_hostname=host)
     try:
         writer.write(request_bytes(key, model, tokens, f"bench {n}"))
         answer = await read_answer(reader)
@@ -137,19 +142,23 @@ async def _one(port: int, key: str, model: str, tokens: int, n: int, at: float) 
 
 
 async def _arrivals(
-    port: int, key: str, model: str, tokens: int, starts: list[float], first_n: int
-) -> list[dict[str, Any]]:
+    port: int, key: str, model: str, tokens: int, starts: list[float], first_n: int,
+    tls: ssl.SSLContext | None,
+) -> list[dict[str, Any]]:  # fmt: skip
     t0 = time.monotonic() + 0.1
     return await asyncio.gather(
-        *(_one(port, key, model, tokens, first_n + i, t0 + s) for i, s in enumerate(starts))
+        *(_one(port, key, model, tokens, first_n + i, t0 + s, tls) for i, s in enumerate(starts))
     )
 
 
 def arrivals(
-    port: int, key: str, model: str, tokens: int, starts: list[float], first_n: int = 0
-) -> list[dict[str, Any]]:
-    """One request per start (seconds from now), numbered from `first_n`: each one's times."""
-    return asyncio.run(_arrivals(port, key, model, tokens, starts, first_n))
+    port: int, key: str, model: str, tokens: int, starts: list[float], first_n: int = 0,
+    tls: ssl.SSLContext | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """One request per start (seconds from now), numbered from `first_n`: each one's times,
+    each on a connection of its own (over TLS with `tls`, which trusts the proxy's
+    certificate)."""
+    return asyncio.run(_arrivals(port, key, model, tokens, starts, first_n, tls))
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, float]:
