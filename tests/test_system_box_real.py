@@ -58,6 +58,7 @@ b70ctl = "{B70CTL}"
 [proxy]
 host = "0.0.0.0"
 port = 8000
+tls = true
 model = "smollm2"
 aliases = ["default"]
 hold_s = 120
@@ -535,6 +536,39 @@ def test_a_colleague_reads_status_and_writes_nothing(installed: boxkit.Box) -> N
     for part in ("backend", "proxy"):
         assert theirs[part]["healthy"] == ours[part]["healthy"], (part, theirs[part], ours[part])
     assert theirs["backend"]["foreign_listener"] == ours["backend"]["foreign_listener"]
+
+
+# Inside the box: the fingerprint of the certificate the port serves (its own handshake), and
+# one model list over TLS trusting that certificate alone.
+TLS_PROBE = """\
+import hashlib, json, socket, ssl, sys
+import httpx
+trust = ssl.create_default_context(cafile="/var/lib/b70/tls.crt")
+with socket.create_connection(("127.0.0.1", 8000)) as raw:
+    with trust.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        digest = hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest().upper()
+key = open("/etc/b70/proxy.env").read().split("=", 1)[1].strip()
+r = httpx.get("https://127.0.0.1:8000/v1/models", verify=trust,
+              headers={"Authorization": "Bearer " + key})
+print(json.dumps({"served": ":".join(digest[i:i + 2] for i in range(0, 64, 2)),
+                  "status": r.status_code}))
+"""
+
+
+def test_the_proxy_serves_tls_with_a_key_only_its_user_reads(installed: boxkit.Box) -> None:
+    """System scope: install made the certificate with its key the proxy's user's alone; the
+    port serves it, and a colleague's `status` gives its fingerprint."""
+    box = installed
+    modes = box.run("stat -c '%U %a %n' /var/lib/b70/tls.key /var/lib/b70/tls.crt").stdout
+    assert modes.split("\n")[:2] == [
+        "b70-proxy 600 /var/lib/b70/tls.key", "b70-proxy 644 /var/lib/b70/tls.crt"
+    ], modes  # fmt: skip
+    probe = box.run(f"{PYTHON} -c {shlex.quote(TLS_PROBE)}", timeout=60)
+    got = json.loads(probe.stdout)
+    assert got["status"] == 200, got
+    theirs = json.loads(b70ctl(box, "status", "--json", user=colleague(box)).stdout)
+    assert theirs["result"]["proxy"]["tls"]["fingerprint"] == got["served"], theirs["result"]
+    assert complete(box)  # loopback stays plain HTTP
 
 
 def test_a_colleague_is_refused_a_switch_and_told_who_may(installed: boxkit.Box) -> None:
