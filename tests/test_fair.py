@@ -112,9 +112,7 @@ def test_a_turn_given_before_its_request_waits_for_it_is_kept(tmp_path: Path) ->
         share.leave(running)  # before `waiting` waits
         turn = await asyncio.wait_for(waiting.turn(1.0), 1.0)
         assert turn.key == "light"
-        assert list(json.loads(share.record.path.read_text())["running"].values()) == [
-            {"light": 1}
-        ]
+        assert list(json.loads(share.record.path.read_text())["running"].values()) == [{"light": 1}]
 
     asyncio.run(run())
 
