@@ -36,8 +36,10 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from appliance.files import write_atomic
+from appliance.hold import HELD_DIR
 
 KEYS_FILE = "keys.json"
 KEYS_LOCK = "keys.lock"  # an flock only, beside the file, which is replaced on every change
@@ -105,8 +107,7 @@ def name_problem(name: str) -> str | None:
 # --- the file ------------------------------------------------------------------------------------
 
 
-def parse_keys(text: str) -> dict[str, Person]:
-    """The people of a keys file's text; ValueError saying what is wrong."""
+def _data(text: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError as e:
@@ -115,40 +116,70 @@ def parse_keys(text: str) -> dict[str, Person]:
         not isinstance(data, dict)
         or data.get("version") != 1
         or not isinstance(data.get("keys"), dict)
+        or not isinstance(data.get("revoked", {}), dict)
     ):
         raise ValueError('it is not a keys file of the appliance ({"version": 1, "keys": {...}})')
+    return data
+
+
+def parse_keys(text: str) -> dict[str, Person]:
+    """The people of a keys file's text; ValueError saying what is wrong."""
     out: dict[str, Person] = {}
-    for name, entry in data["keys"].items():
-        if name_problem(name) is not None or not isinstance(entry, dict):
+    for name, entry in _data(text)["keys"].items():
+        person = person_of(name, entry)
+        if person is None:
             raise ValueError(f"its key {name!r} is not one `b70ctl keys` wrote")
-        try:
-            digest = bytes.fromhex(entry["sha256"])
-            limits = [entry.get(k) for k in ("max_parallel", "rpm", "tpm")]
-            priority, created = entry.get("priority", INTERACTIVE), float(entry["created"])
-            rotated = entry.get("rotated")
-        except (KeyError, TypeError, ValueError):
-            raise ValueError(f"its key {name!r} is not one `b70ctl keys` wrote") from None
-        bad_limit = any(not _count(v) for v in limits if v is not None)
-        if len(digest) != 32 or bad_limit or priority not in PRIORITIES:
-            raise ValueError(f"its key {name!r} is not one `b70ctl keys` wrote")
-        max_parallel, rpm, tpm = limits
-        out[name] = Person(
-            name, digest, max_parallel, rpm, tpm, priority, created,
-            float(rotated) if isinstance(rotated, int | float) else None,
-        )  # fmt: skip
+        out[name] = person
     return out
+
+
+def parse_revoked(text: str) -> dict[str, float]:
+    """When each key that was revoked here was revoked (what peers learn through Redis)."""
+    revoked = _data(text).get("revoked", {})
+    return {
+        str(n): float(t)
+        for n, t in revoked.items()
+        if name_problem(str(n)) is None and isinstance(t, int | float) and not isinstance(t, bool)
+    }
+
+
+def person_of(name: str, entry: object) -> Person | None:
+    """One key of the file (or of the fleet's Redis), or None when it is not one `keys` wrote."""
+    if name_problem(name) is not None or not isinstance(entry, dict):
+        return None
+    try:
+        digest = bytes.fromhex(entry["sha256"])
+        limits = [entry.get(k) for k in ("max_parallel", "rpm", "tpm")]
+        priority, created = entry.get("priority", INTERACTIVE), float(entry["created"])
+        rotated = entry.get("rotated")
+    except (KeyError, TypeError, ValueError):
+        return None
+    bad_limit = any(not _count(v) for v in limits if v is not None)
+    if len(digest) != 32 or bad_limit or priority not in PRIORITIES:
+        return None
+    max_parallel, rpm, tpm = limits
+    return Person(
+        name, digest, max_parallel, rpm, tpm, priority, created,
+        float(rotated) if isinstance(rotated, int | float) else None,
+    )  # fmt: skip
 
 
 def _count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
-def dump_keys(people: Mapping[str, Person]) -> str:
-    keys = {
-        p.name: {"sha256": p.digest.hex(), **{k: v for k, v in p.public().items() if k != "name"}}
-        for p in sorted(people.values(), key=lambda p: p.name)
-    }
-    return json.dumps({"version": 1, "keys": keys}, indent=2) + "\n"
+def entry_of(person: Person) -> dict[str, object]:
+    """A key as the file (and the fleet's Redis) keeps it: its hash, never its secret."""
+    public = {k: v for k, v in person.public().items() if k != "name"}
+    return {"sha256": person.digest.hex(), **public}
+
+
+def dump_keys(people: Mapping[str, Person], revoked: Mapping[str, float] | None = None) -> str:
+    keys = {p.name: entry_of(p) for p in sorted(people.values(), key=lambda p: p.name)}
+    data: dict[str, object] = {"version": 1, "keys": keys}
+    if revoked:
+        data["revoked"] = dict(sorted(revoked.items()))
+    return json.dumps(data, indent=2) + "\n"
 
 
 class KeysUnreadable(Exception):
@@ -174,6 +205,13 @@ def read_keys(state_dir: Path) -> dict[str, Person]:
         raise KeysUnreadable(path, str(e)) from None
 
 
+def read_revoked(state_dir: Path) -> dict[str, float]:
+    try:
+        return parse_revoked((state_dir / KEYS_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+
+
 @contextmanager
 def editing(state_dir: Path, owner: int | None = None) -> Iterator[dict[str, Person]]:
     """The people, to change in the block; written back whole, atomically and synced, when the
@@ -187,7 +225,11 @@ def editing(state_dir: Path, owner: int | None = None) -> Iterator[dict[str, Per
         before = dict(people)
         yield people
         if people != before:
-            write_atomic(state_dir / KEYS_FILE, dump_keys(people), mode=0o600, owner=owner)
+            # A key taken away is kept as when it was revoked, for the peers (fleet_view);
+            # one made again under its name is not.
+            revoked = {n: t for n, t in read_revoked(state_dir).items() if n not in people}
+            revoked.update({n: time.time() for n in before if n not in people})
+            write_atomic(state_dir / KEYS_FILE, dump_keys(people, revoked), mode=0o600, owner=owner)
     finally:
         os.close(fd)  # and the flock with it
 
@@ -202,6 +244,68 @@ def rotated(people: dict[str, Person], name: str, secret: str) -> Person:
     person = replace(people[name], digest=digest_of(secret), rotated=time.time())
     people[name] = person
     return person
+
+
+# --- the fleet's keys ----------------------------------------------------------------------------
+
+# Front doors that share a Redis ([peers] redis_host) share their keys in one hash: name -> the
+# file's entry, or {"revoked": when}. A change on any door reaches the others within a second or
+# two (appliance.proxy.share.fleet); the latest change of a name wins, and a revocation wins a tie.
+FLEET_KEYS = "b70:keys"
+FLEET_FILE = "keys-fleet.json"  # in HELD_DIR: the fleet's hash as the proxy last read it
+
+
+def read_fleet(state_dir: Path) -> dict[str, object]:
+    """The fleet's hash as this door's proxy last read it (FLEET_FILE): {} without a fleet, or
+    when the file cannot be read."""
+    try:
+        data = json.loads((state_dir / HELD_DIR / FLEET_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return {str(n): e for n, e in data.items()} if isinstance(data, dict) else {}
+
+
+def keys_in_force(state_dir: Path) -> tuple[dict[str, Person], dict[str, Person]]:
+    """This door's own keys, and the keys in force on it: its own with the fleet's, as the proxy
+    last read them (the same as its own without a fleet). KeysUnreadable as read_keys."""
+    local = read_keys(state_dir)
+    view, _ = fleet_view(local, read_revoked(state_dir), read_fleet(state_dir))
+    return local, view
+
+
+def changed_at(person: Person) -> float:
+    return max(person.created, person.rotated or 0.0)
+
+
+def fleet_view(
+    local: Mapping[str, Person], revoked: Mapping[str, float], remote: Mapping[str, object]
+) -> tuple[dict[str, Person], dict[str, dict[str, object]]]:
+    """The keys in force on a door of a fleet, from its own file (`local`, `revoked`) and the
+    fleet's hash (`remote`, parsed JSON), and what of its own the hash lacks or has older (to
+    write there)."""
+    latest: dict[str, tuple[float, bool, Person | None]] = {}  # when, revoked, whose
+
+    def offer(name: str, when: float, gone: bool, person: Person | None) -> None:
+        was = latest.get(name)
+        if was is None or (when, gone) > (was[0], was[1]):
+            latest[name] = (when, gone, person)
+
+    for name, entry in remote.items():
+        if isinstance(entry, dict) and isinstance(entry.get("revoked"), int | float):
+            offer(name, float(entry["revoked"]), True, None)
+        elif (person := person_of(name, entry)) is not None:
+            offer(name, changed_at(person), False, person)
+    theirs = dict(latest)
+    for name, person in local.items():
+        offer(name, changed_at(person), False, person)
+    for name, when in revoked.items():
+        offer(name, when, True, None)
+    publish: dict[str, dict[str, object]] = {}
+    for name, (when, gone, person) in latest.items():
+        if theirs.get(name) != (when, gone, person):
+            publish[name] = {"revoked": when} if person is None else entry_of(person)
+    people = {n: p for n, (_, gone, p) in latest.items() if not gone and p is not None}
+    return people, publish
 
 
 # --- who sent a request --------------------------------------------------------------------------
@@ -242,6 +346,10 @@ class KeyRing:
         self.clock = clock
         self.log = log
         self.people: dict[str, Person] = {}
+        self.revoked: dict[str, float] = {}
+        # The keys of the fleet's front doors, merged with this file's (appliance.proxy.share.
+        # fleet); None: this door alone.
+        self.fleet: dict[str, Person] | None = None
         self.seen: tuple[int, ...] | None = None  # the file read last: inode, times, size
         self.looked = -math.inf
         self.problem: str | None = None  # why the file could not be read, said once
@@ -250,6 +358,11 @@ class KeyRing:
         return identify(given, self.master(), self.current())
 
     def current(self) -> Mapping[str, Person]:
+        self.local()
+        return self.fleet if self.fleet is not None else self.people
+
+    def local(self) -> Mapping[str, Person]:
+        """This door's own keys file, looked at every LOOK_EVERY_S."""
         now = self.clock()
         if self.path is not None and now - self.looked >= LOOK_EVERY_S:
             self.looked = now
@@ -261,6 +374,7 @@ class KeyRing:
             st = os.stat(path)
         except FileNotFoundError:
             self.people, self.seen, self.problem = {}, None, None  # no keys file: no people
+            self.revoked = {}
             return
         except OSError as e:
             self.unreadable(path, e.strerror or str(e))
@@ -270,7 +384,8 @@ class KeyRing:
             return
         self.seen = seen
         try:
-            self.people = parse_keys(path.read_text())
+            text = path.read_text()
+            self.people, self.revoked = parse_keys(text), parse_revoked(text)
         except (OSError, UnicodeDecodeError) as e:
             self.unreadable(path, getattr(e, "strerror", None) or str(e))
             return

@@ -76,7 +76,7 @@ def add(
                              exit_code=2)  # fmt: skip
     secret = people.new_secret()
     with _editing(ctx) as everyone:
-        if name in everyone:
+        if name in everyone or name in people.keys_in_force(_state_dir(ctx))[1]:
             raise ApplianceError(
                 f"there is a key for {name!r} already",
                 hint=f"`b70ctl keys rotate {name}` gives it a new secret; `b70ctl keys revoke "
@@ -106,7 +106,7 @@ def rotate(ctx: Context, name: str) -> None:
     ctx.config()  # the appliance it is: a broken config is said, not passed over
     secret = people.new_secret()
     with _editing(ctx) as everyone:
-        _known(everyone, name)
+        _known(everyone, name, ctx)
         person = people.rotated(everyone, name, secret)
     output.show(
         ctx.json, {**person.public(), "key": secret}, lambda: _shown(name, secret, "rotated")
@@ -126,7 +126,7 @@ def revoke(ctx: Context, name: str) -> None:
     ctx.require_root("keys revoke")
     ctx.config()  # the appliance it is: a broken config is said, not passed over
     with _editing(ctx) as everyone:
-        _known(everyone, name)
+        _known(everyone, name, ctx)
         del everyone[name]
     output.show(ctx.json, {"revoked": name}, lambda: f"the key of {name} is revoked")
 
@@ -145,10 +145,15 @@ def list_keys(ctx: Context) -> None:
     ctx.require_root("keys list")  # the file is the proxy's and root's alone
     ctx.config()  # the appliance it is: a broken config is said, not passed over
     try:
-        everyone = people.read_keys(_state_dir(ctx))
+        # With front doors that share a Redis ([peers] redis_host): the latest of each name on
+        # any of them; "from" says whether it was made, or last changed, on this one.
+        here, in_force = people.keys_in_force(_state_dir(ctx))
     except people.KeysUnreadable as e:
         raise _unreadable(e) from None
-    rows = [p.public() for p in sorted(everyone.values(), key=lambda p: p.name)]
+    rows = [
+        {**p.public(), "from": "here" if here.get(n) == p else "fleet"}
+        for n, p in sorted(in_force.items())
+    ]
     output.show(ctx.json, {"keys": rows}, lambda: _render_keys(rows))
 
 
@@ -217,7 +222,16 @@ def _proxy_uid() -> int:
         ) from None
 
 
-def _known(everyone: dict[str, Any], name: str) -> None:
+def _known(everyone: dict[str, Any], name: str, ctx: Context) -> None:
+    """NAME is a key here, or one made on another front door of the fleet, which is then taken
+    into this door's file to change (the fleet takes the latest change of a name)."""
+    from appliance import people
+
+    _, in_force = people.keys_in_force(_state_dir(ctx))
+    if name not in in_force:
+        everyone.pop(name, None)  # revoked on another front door: no key to change here
+    elif everyone.get(name) != in_force[name]:
+        everyone[name] = in_force[name]  # made, or changed last, on another front door
     if name not in everyone:
         known = ", ".join(sorted(everyone)) or "none yet"
         raise ApplianceError(
@@ -253,7 +267,7 @@ def _render_keys(rows: list[dict[str, Any]]) -> str:
     head = ["KEY", "PRIORITY", "MAX PARALLEL", "RPM", "TPM", "MADE", "ROTATED"]
     body = [
         [
-            r["name"],
+            r["name"] + (" (from another front door)" if r["from"] == "fleet" else ""),
             r["priority"],
             *(str(r[k] or "-") for k in ("max_parallel", "rpm", "tpm")),
             _when(r["created"]),

@@ -33,7 +33,7 @@ from appliance.proxy.door import (
     Readiness,
 )
 from appliance.proxy.relay import WaitReady
-from appliance.proxy.share import tls
+from appliance.proxy.share import fleet, tls
 from appliance.proxy.share.fair import DEFAULT_BATCH_WAIT_S, Fair, parse_slots
 from appliance.proxy.share.limits import Limits
 from appliance.usage import Ledger
@@ -266,6 +266,8 @@ def install_in_proxy(
     pass_through = env.get("B70_PASS_THROUGH", "1") != "0"
     state = env.get("B70_STATE_DIR")
     keys = key_ring(env)
+    if state:  # the keys of the front doors that share a Redis
+        fleet.start(keys, env, Path(state))
     limits = Limits(Path(state)) if state else None
     ledger = Ledger(Path(state), later=_later, log=log) if state else None
     fair = None

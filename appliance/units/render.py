@@ -229,6 +229,13 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
     tls = tls_files(config.proxy.tls, config.proxy.tls_cert, config.proxy.tls_key, lay.state_dir)
     if tls is not None:  # TLS beside plain HTTP on the port (appliance/proxy/share/tls.py)
         env["B70_TLS_CERT"], env["B70_TLS_KEY"] = str(tls.cert), str(tls.key)
+    if config.peers.redis_host:  # the front doors share their keys there (proxy/share/fleet.py)
+        host = config.peers.redis_host
+        env["B70_REDIS"] = (
+            f"[{host}]:{config.peers.redis_port}"
+            if ":" in host
+            else (f"{host}:{config.peers.redis_port}")
+        )
     if config.peers.urls:  # other appliances' proxies: their readiness and the key they take
         env["B70_PEER_URL"] = " ".join(config.peers.urls)
     if not config.proxy.pass_through:  # every model request LiteLLM's full way (relay.py)

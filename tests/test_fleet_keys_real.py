@@ -1,0 +1,122 @@
+"""Two front doors that share a Redis share their people's keys: two appliances under two
+private user managers, each listing the other in [peers], with one real redis-server. A key made
+with `b70ctl keys add` on one door works on the other within seconds, as the OpenAI SDK sees it;
+rotated on the other, the new secret works on the first and the old one stops; revoked, it stops
+on both."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from b70tools.net import free_port
+from tests.conftest import Appliance, demo_config_text, require_real_parts, running_manager
+
+pytestmark = pytest.mark.real
+
+SECONDS = 10.0  # a change reaches the other door within a second or two; this is the test's bound
+
+
+@dataclass
+class Doors:
+    a: Appliance
+    b: Appliance
+
+
+@pytest.fixture(scope="module")
+def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
+    require_real_parts()
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        pytest.fail("redis-server is not installed: scripts/bootstrap --test installs it (as root)")
+    root = tmp_path_factory.mktemp("fleetkeys")
+    redis_port = free_port()
+    ports = {name: (free_port(), free_port()) for name in ("a", "b")}
+    with ExitStack() as stack:
+        redis = subprocess.Popen(
+            [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        stack.callback(redis.wait, 10)
+        stack.callback(redis.terminate)
+        boxes = {}
+        for name, other in (("b", "a"), ("a", "b")):
+            manager = stack.enter_context(running_manager(root / name))
+            proxy, backend = ports[name]
+            extra = (
+                f'\n[peers]\nurls = ["http://127.0.0.1:{ports[other][0]}"]\n'
+                f'redis_host = "127.0.0.1"\nredis_port = {redis_port}\n'
+            )
+            config = root / name / "appliance.toml"
+            config.write_text(demo_config_text(proxy, backend, extra))
+            if boxes:  # the fleet shares one master key: A takes B's
+                key_dir = Path(manager.env["XDG_CONFIG_HOME"]) / "b70"
+                key_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copy(Path(boxes["b"].manager.env["XDG_CONFIG_HOME"]) / "b70" / "proxy.env",
+                            key_dir)  # fmt: skip
+                (key_dir / "proxy.env").chmod(0o600)
+            box = Appliance(manager, config, proxy, backend)
+            box.b70ctl("install", "--no-now", check=True)  # the doors alone: no runtime
+            box.manager.systemctl("start", "b70-litellm.service")
+            stack.callback(box.b70ctl, "uninstall", "--purge")
+            boxes[name] = box
+        yield Doors(a=boxes["a"], b=boxes["b"])
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _models(door: Appliance, key: str) -> int:
+    import openai
+
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{door.proxy_port}/v1", api_key=key, max_retries=0, timeout=30
+    )
+    try:
+        client.models.list()
+    except openai.AuthenticationError:
+        return 401
+    return 200
+
+
+def _within(seconds: float, check: Callable[[], bool]) -> float:
+    """How long until `check()` holds (AssertionError after `seconds`)."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > seconds:
+            raise AssertionError(f"not within {seconds} s")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def _json(door: Appliance, *args: str) -> Any:
+    doc = door.json(*args)
+    assert doc["ok"], doc
+    return doc["result"]
+
+
+def test_a_key_made_on_one_door_works_on_the_other_and_its_changes_follow(doors: Doors) -> None:
+    a, b = doors.a, doors.b
+    first = _json(a, "keys", "add", "alice", "--rpm", "100")["key"]
+    took = _within(SECONDS, lambda: _models(b, first) == 200)
+    print(f"\nmade on A, taken by B after {took:.2f} s")
+    listed = {r["name"]: r for r in _json(b, "keys", "list")["keys"]}
+    assert listed["alice"]["from"] == "fleet" and listed["alice"]["rpm"] == 100, listed
+
+    second = _json(b, "keys", "rotate", "alice")["key"]  # a key made on A, rotated on B
+    took = _within(SECONDS, lambda: _models(a, second) == 200 and _models(a, first) == 401)
+    print(f"rotated on B, on A after {took:.2f} s")
+    assert _models(b, first) == 401
+
+    _json(a, "keys", "revoke", "alice")
+    took = _within(SECONDS, lambda: _models(b, second) == 401)
+    print(f"revoked on A, refused by B after {took:.2f} s")
+    assert _models(a, second) == 401
+    assert "alice" not in {r["name"] for r in _json(b, "keys", "list")["keys"]}
