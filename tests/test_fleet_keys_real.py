@@ -120,3 +120,33 @@ def test_a_key_made_on_one_door_works_on_the_other_and_its_changes_follow(doors:
     print(f"revoked on A, refused by B after {took:.2f} s")
     assert _models(a, second) == 401
     assert "alice" not in {r["name"] for r in _json(b, "keys", "list")["keys"]}
+
+
+def _chat(door: Appliance, key: str, timeout: float) -> Any:
+    """A chat completion through `door`: its answer's status, or "waited" when the client gave
+    up first (these doors run no runtime: an admitted request waits in the hold)."""
+    import httpx
+
+    try:
+        r = httpx.post(
+            f"http://127.0.0.1:{door.proxy_port}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "smollm2", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=timeout,
+        )  # fmt: skip
+    except httpx.TimeoutException:
+        return "waited"
+    return r
+
+
+def test_a_keys_limits_count_its_requests_on_every_door(doors: Doors) -> None:
+    a, b = doors.a, doors.b
+    key = _json(a, "keys", "add", "bob", "--rpm", "2")["key"]
+    _within(SECONDS, lambda: _models(b, key) == 200)
+    assert _chat(a, key, 1.0) == "waited"  # admitted: the first of its minute
+    assert _chat(b, key, 1.0) == "waited"  # the second, on the other door
+    refused = _chat(a, key, 10.0)
+    assert refused != "waited" and refused.status_code == 429, refused
+    assert "sent 2 requests in the last minute" in refused.json()["error"]["message"]
+    assert 1 <= int(refused.headers["Retry-After"]) <= 60
+    _json(a, "keys", "revoke", "bob")

@@ -300,7 +300,7 @@ class Door:
         from_peer = master and _header(scope, PEER_HEADER) is not None
         if self.limits is not None:
             try:
-                self.limits.admit(person)
+                await self.limits.admit_async(person)
             except Refusal as refusal:
                 self.count(person, Use(limited=1))
                 await refusal.send(send)

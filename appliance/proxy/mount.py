@@ -266,9 +266,10 @@ def install_in_proxy(
     pass_through = env.get("B70_PASS_THROUGH", "1") != "0"
     state = env.get("B70_STATE_DIR")
     keys = key_ring(env)
-    if state:  # the keys of the front doors that share a Redis
-        fleet.start(keys, env, Path(state))
     limits = Limits(Path(state)) if state else None
+    shared = fleet.start(keys, env, Path(state)) if state else None
+    if shared is not None:  # front doors that share a Redis: their keys and limits there
+        limits = shared[1]
     ledger = Ledger(Path(state), later=_later, log=log) if state else None
     fair = None
     if state and env.get("B70_FAIR", "1") != "0":

@@ -41,6 +41,10 @@ class Limits:
         self.me = f"{os.getpid()}:{start_time(os.getpid())}"
         self.said: str | None = None  # the last problem said in the journal
 
+    async def admit_async(self, person: Person) -> None:
+        """`admit`, as the door calls it (the fleet's limits ask Redis)."""
+        self.admit(person)
+
     def admit(self, person: Person) -> None:
         """Count one request of `person` in, or raise the 429 Refusal that says which limit. When
         the counts cannot be kept (a full or read-only disk), the request goes on and the journal
@@ -59,19 +63,14 @@ class Limits:
             asked = [t for t in record["asked"] if t > now - WINDOW_S]
             spent = [(t, n) for t, n in record["spent"] if t > now - WINDOW_S]
             record["asked"], record["spent"] = asked, spent
-            name = person.name
             if person.max_parallel is not None and running >= person.max_parallel:
-                what = f"has {running} of its {person.max_parallel} requests at once open already"
-                raise too_many(name, what, "max_parallel", 1)
+                raise refused(person, "max_parallel", running, 1)
             if person.rpm is not None and len(asked) >= person.rpm:
                 wait = asked[len(asked) - person.rpm] + WINDOW_S - now
-                what = f"sent {len(asked)} requests in the last minute, its most"
-                raise too_many(name, what, f"rpm {person.rpm}", wait)
+                raise refused(person, "rpm", len(asked), wait)
             used = sum(n for _, n in spent)
             if person.tpm is not None and used >= person.tpm:
-                wait = _until_below(spent, used - person.tpm, now)
-                what = f"used {used} tokens in the last minute, over its {person.tpm}"
-                raise too_many(name, what, "tpm", wait)
+                raise refused(person, "tpm", used, _until_below(spent, used - person.tpm, now))
             asked.append(now)
             record["open"][self.me] = record["open"].get(self.me, 0) + 1
 
@@ -113,6 +112,18 @@ class Limits:
             write_shared(path, json.dumps(record, separators=(",", ":")))
         finally:
             os.close(fd)
+
+
+def refused(person: Person, limit: str, count: int, wait_s: float) -> Refusal:
+    """The 429 of a key over `limit` ("max_parallel", "rpm" or "tpm"), at `count`."""
+    if limit == "max_parallel":
+        what = f"has {count} of its {person.max_parallel} requests at once open already"
+        return too_many(person.name, what, "max_parallel", wait_s)
+    if limit == "rpm":
+        what = f"sent {count} requests in the last minute, its most"
+        return too_many(person.name, what, f"rpm {person.rpm}", wait_s)
+    what = f"used {count} tokens in the last minute, over its {person.tpm}"
+    return too_many(person.name, what, "tpm", wait_s)
 
 
 def too_many(name: str, what: str, limit: str, wait_s: float) -> Refusal:
