@@ -66,6 +66,32 @@ class Use:
         return out
 
 
+# Front doors that share a Redis ([peers] redis_host) add each key's use there too, by the hour:
+# hash FLEET_USAGE + the hour's start (epoch seconds), field "NAME<tab>WORD" (WORD of as_line),
+# kept as long as the files are. A request a peer sent is counted by the door that took it.
+FLEET_USAGE = "b70:usage:"
+HOUR_S = 3600
+
+
+def fleet_usage(hours: Mapping[int, Mapping[str, str]]) -> dict[str, Use]:
+    """Each key's use from the fleet's hourly hashes (hour -> field -> number)."""
+    out: dict[str, Use] = {}
+    for counts in hours.values():
+        per_name: dict[str, dict[str, float]] = {}
+        for where, number in counts.items():
+            name, _, word = where.partition("\t")
+            try:
+                per_name.setdefault(name, {})[word] = float(number)
+            except ValueError:
+                continue
+        for name, words in per_name.items():
+            ints = {w: int(v) for w, v in words.items() if w != "queued_s"}
+            use = Use.of_line({**ints, "queued_s": words.get("queued_s", 0.0)})
+            if use is not None:
+                out.setdefault(name, Use()).add(use)
+    return out
+
+
 def usage_dir(state_dir: Path) -> Path:
     return state_dir / HELD_DIR / USAGE_DIR
 

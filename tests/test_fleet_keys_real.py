@@ -149,4 +149,15 @@ def test_a_keys_limits_count_its_requests_on_every_door(doors: Doors) -> None:
     assert refused != "waited" and refused.status_code == 429, refused
     assert "sent 2 requests in the last minute" in refused.json()["error"]["message"]
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
+
+    again = _chat(b, key, 10.0)
+    assert again != "waited" and again.status_code == 429, again
+
+    def refusals(door: Appliance, *fleet: str) -> int:
+        rows = {r["key"]: r for r in _json(door, "usage", *fleet)["keys"]}
+        return int(rows.get("bob", {}).get("limited", 0))
+
+    # Each door counts what it refused; the fleet's usage holds both (written every 2 s)
+    _within(SECONDS, lambda: refusals(a, "--fleet") == 2)
+    assert refusals(a) == 1 and refusals(b) == 1
     _json(a, "keys", "revoke", "bob")

@@ -409,3 +409,13 @@ def test_a_revoked_key_is_kept_as_when_it_was_revoked_until_made_again(tmp_path:
     with people.editing(tmp_path) as everyone:
         people.added(everyone, "alice", people.new_secret())
     assert people.read_revoked(tmp_path) == {} and list(people.read_keys(tmp_path)) == ["alice"]
+
+
+def test_the_fleets_usage_adds_every_hour_and_door_and_passes_over_what_is_not_a_count() -> None:
+    hours = {
+        3600: {"alice\trequests": "2", "alice\tin": "10", "alice\tqueued_s": "0.5"},
+        7200: {"alice\trequests": "1", "bob\tlimited": "1", "bob\tout": "x", "odd": "1"},
+    }
+    found = usage.fleet_usage(hours)
+    assert found["alice"] == usage.Use(3, 10, 0, 0.5, 0)
+    assert found["bob"] == usage.Use(0, 0, 0, 0.0, 1)

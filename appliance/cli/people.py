@@ -8,6 +8,8 @@ what: docs/security.md.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -162,28 +164,83 @@ def list_keys(ctx: Context) -> None:
     "--since", metavar="DURATION",
     help="Only this last while: 90s, 30m, 2h, 7d (default: all that is kept, 31 days).",
 )  # fmt: skip
+@click.option(
+    "--fleet", is_flag=True,
+    help="Every front door that shares this one's Redis ([peers] redis_host), by the hour.",
+)  # fmt: skip
 @with_json
-def usage(ctx: Context, since: str | None) -> None:
+def usage(ctx: Context, since: str | None, fleet: bool) -> None:
     """Who used what: requests, tokens in and out, time queued at the door and refusals (429)
     per key, as the runtimes counted the tokens. The master key is "master".
 
     \b
     Example:
       b70ctl usage --since 1h
+      sudo b70ctl usage --fleet --since 7d
     """
     from appliance import usage as usage_mod
     from appliance.switch.demand.pins import parse_duration
 
-    ctx.config()  # the appliance it is: a broken config is said, not passed over
+    config = ctx.config()  # the appliance it is: a broken config is said, not passed over
     start = None
     if since is not None:
         start = time.time() - parse_duration(since, "--since", USAGE_MOST_S)
-    found = usage_mod.read_usage(_state_dir(ctx), start)
+    if fleet:
+        start = None if start is None else start // usage_mod.HOUR_S * usage_mod.HOUR_S
+        found = _fleet_usage(ctx, config, start)
+    else:
+        found = usage_mod.read_usage(_state_dir(ctx), start)
     rows = [
         {"key": name, **use.as_line()} for name, use in sorted(found.items(), key=lambda kv: kv[0])
     ]
-    data = {"since": start, "keys": rows}
-    output.show(ctx.json, data, lambda: _render_usage(rows, since))
+    data = {"since": start, "fleet": fleet, "keys": rows}
+    output.show(ctx.json, data, lambda: _render_usage(rows, since, fleet))
+
+
+def _fleet_usage(ctx: Context, config: Any, start: float | None) -> dict[str, Any]:
+    """Each key's use on every front door, from the fleet's Redis (hours from `start`'s)."""
+    from appliance import usage as usage_mod
+
+    host, port = config.peers.redis_host, config.peers.redis_port
+    if host is None:
+        raise ApplianceError(
+            "this appliance shares no Redis with other front doors, so there is no fleet's "
+            "usage to read", hint="`b70ctl usage` gives this door's; [peers] redis_host shares "
+            "one (docs/fleet.md)", code="usage_error",
+        )  # fmt: skip
+    import redis
+    from redis.exceptions import RedisError
+
+    client = redis.Redis(
+        host=host, port=port, password=_redis_password(ctx), socket_timeout=5,
+        socket_connect_timeout=5, decode_responses=True,
+    )  # fmt: skip
+    try:
+        hours: dict[int, dict[str, str]] = {}
+        for name in client.scan_iter(match=usage_mod.FLEET_USAGE + "*", count=1000):
+            hour = str(name).removeprefix(usage_mod.FLEET_USAGE)
+            if hour.isdigit() and (start is None or int(hour) >= start):
+                hours[int(hour)] = {str(k): str(v) for k, v in client.hgetall(name).items()}
+    except (RedisError, OSError) as e:
+        raise ApplianceError(
+            f"cannot read the fleet's usage from Redis at {host}:{port}: {e}",
+            hint="is Redis up, and reachable from here? `b70ctl usage` gives this door's",
+            code="unreachable",
+        ) from None
+    finally:
+        client.close()
+    return usage_mod.fleet_usage(hours)
+
+
+def _redis_password(ctx: Context) -> str | None:
+    """REDIS_PASSWORD, from the environment or the proxy's key file (as the proxy reads it)."""
+    if os.environ.get("REDIS_PASSWORD"):
+        return os.environ["REDIS_PASSWORD"]
+    with contextlib.suppress(OSError):
+        for line in layout(ctx.scope).key_file.read_text().splitlines():
+            if line.startswith("REDIS_PASSWORD="):
+                return line.split("=", 1)[1].strip() or None
+    return None
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -278,9 +335,10 @@ def _render_keys(rows: list[dict[str, Any]]) -> str:
     return output.table([head, *body])
 
 
-def _render_usage(rows: list[dict[str, Any]], since: str | None) -> str:
+def _render_usage(rows: list[dict[str, Any]], since: str | None, fleet: bool = False) -> str:
+    where = " on the fleet's front doors" if fleet else ""
     if not rows:
-        return "no requests counted" + (f" in the last {since}" if since else " yet")
+        return "no requests counted" + where + (f" in the last {since}" if since else " yet")
     head = ["KEY", "REQUESTS", "TOKENS IN", "TOKENS OUT", "QUEUED S", "429s"]
     body = [
         [
@@ -293,4 +351,5 @@ def _render_usage(rows: list[dict[str, Any]], since: str | None) -> str:
         ]
         for r in rows
     ]
-    return output.table([head, *body])
+    table = output.table([head, *body])
+    return f"the fleet's front doors, by the whole hour\n{table}" if fleet else table

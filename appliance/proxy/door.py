@@ -228,8 +228,10 @@ class Door:
         fair: Fair | None = None,
         hold_now: HoldNow | None = None,
         in_clear: Callable[[Scope], Refusal | None] | None = None,
+        fleet_usage: Callable[[str, Use], None] | None = None,
     ) -> None:
         self.app = app
+        self.fleet_usage = fleet_usage  # each key's use, added to the fleet's (share/fleet.py)
         self.in_clear = in_clear  # with TLS on, a request in clear from afar (proxy/share/tls.py)
         self.backend = backend
         # The runtime that serves a model name, where runtimes serve side by side (else backend)
@@ -331,7 +333,8 @@ class Door:
             tokens = meter.tokens_in + meter.tokens_out
             if self.limits is not None:
                 self.limits.done(person, tokens)
-            self.count(person, Use(1, meter.tokens_in, meter.tokens_out, ticket.queued_s))
+            use = Use(1, meter.tokens_in, meter.tokens_out, ticket.queued_s)
+            self.count(person, use, from_peer)
 
     def takes_turns(self, checked: Checked, token: str | None) -> bool:
         """Whether the request waits its turn when the runtime is full: not a switch's own
@@ -361,10 +364,13 @@ class Door:
         finally:
             ticket.queued_s += self.clock() - started
 
-    def count(self, person: Person, use: Use) -> None:
-        """A request's use, in its key's usage."""
+    def count(self, person: Person, use: Use, from_peer: bool = False) -> None:
+        """A request's use, in its key's usage (and the fleet's, unless a peer sent it: the
+        door that took it from the client counts it there)."""
         if self.ledger is not None:
             self.ledger.add(person.name, use)
+        if self.fleet_usage is not None and not from_peer:
+            self.fleet_usage(person.name, use)
 
     async def fast(
         self, scope: Scope, checked: Checked, receive: Receive, send: Send, token: str | None,

@@ -268,7 +268,7 @@ def install_in_proxy(
     keys = key_ring(env)
     limits = Limits(Path(state)) if state else None
     shared = fleet.start(keys, env, Path(state)) if state else None
-    if shared is not None:  # front doors that share a Redis: their keys and limits there
+    if shared is not None:  # front doors that share a Redis: their keys, limits and usage there
         limits = shared[1]
     ledger = Ledger(Path(state), later=_later, log=log) if state else None
     fair = None
@@ -290,6 +290,7 @@ def install_in_proxy(
             readiness=readiness if runtimes else None, pass_through=pass_through,
             runtimes_of=runtimes_of, keys=keys, limits=limits, ledger=ledger, fair=fair,
             hold_now=hold_now, in_clear=in_clear,
+            fleet_usage=shared[2].add if shared is not None else None,
         ),
     )  # fmt: skip
     give_large_blocks_back()

@@ -38,6 +38,7 @@ from appliance.people import (
 )
 from appliance.proxy.asgi import log
 from appliance.proxy.share.limits import WINDOW_S, Limits, refused
+from appliance.usage import FLEET_USAGE, FLUSH_S, HOUR_S, RETAIN_S, Use
 
 
 def redis_address(text: str) -> tuple[str, int] | None:
@@ -255,6 +256,46 @@ class FleetLimits(Limits):
             log("b70: the keys' limits are kept in Redis again")
 
 
+# --- who used what --------------------------------------------------------------------------------
+
+
+class FleetUsage:
+    """Each key's use on this worker, added to the fleet's hourly hashes every FLUSH_S (kept to
+    add again later while Redis does not answer)."""
+
+    def __init__(self, redis: Any, clock: Callable[[], float] = time.time) -> None:
+        self.redis, self.clock = redis, clock
+        self.pending: dict[tuple[int, str], Use] = {}
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, name: str, use: Use) -> None:
+        hour = int(self.clock()) // HOUR_S * HOUR_S
+        self.pending.setdefault((hour, name), Use()).add(use)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            with contextlib.suppress(Exception):  # kept for the next time
+                await self.flush()
+
+    async def flush(self) -> None:
+        if not self.pending:
+            return
+        taken, self.pending = self.pending, {}
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for (hour, name), use in taken.items():
+                for word, number in use.as_line().items():
+                    if number:
+                        pipe.hincrbyfloat(f"{FLEET_USAGE}{hour}", f"{name}\t{word}", number)
+                pipe.expire(f"{FLEET_USAGE}{hour}", int(RETAIN_S + HOUR_S))
+            await pipe.execute()
+        except Exception:
+            for where, use in taken.items():  # again next time, with what came meanwhile
+                self.pending.setdefault(where, Use()).add(use)
+            raise
+
+
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -278,9 +319,9 @@ def client(env: Mapping[str, str]) -> Any:
 
 def start(
     ring: KeyRing, env: Mapping[str, str], state_dir: Path
-) -> tuple[FleetKeys, FleetLimits] | None:
-    """With B70_REDIS, on this worker's event loop: the fleet's keys and limits, running (None
-    without them)."""
+) -> tuple[FleetKeys, FleetLimits, FleetUsage] | None:
+    """With B70_REDIS, on this worker's event loop: the fleet's keys, limits and usage, running
+    (None without them)."""
     redis = client(env)
     try:
         loop = asyncio.get_running_loop()
@@ -291,4 +332,6 @@ def start(
     keys, limits = FleetKeys(ring, redis, state_dir), FleetLimits(state_dir, redis)
     keys.task = loop.create_task(keys.run())
     limits.tasks.add(loop.create_task(limits.beat()))
-    return keys, limits
+    usage = FleetUsage(redis)
+    usage.task = loop.create_task(usage.run())
+    return keys, limits, usage
