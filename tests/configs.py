@@ -361,14 +361,14 @@ PEERS = [
         "peers.urls[0]: 'http://10.0.0.2' has no port",
     ),
     (
-        "peer over https",
-        GOOD + '[peers]\nurls = ["https://10.0.0.2:8000"]\n',
-        "peers.urls[0]: 'https://10.0.0.2:8000' is not an http://HOST:PORT",
+        "peer over ftp",
+        GOOD + '[peers]\nurls = ["ftp://10.0.0.2:8000"]\n',
+        "peers.urls[0]: 'ftp://10.0.0.2:8000' is not an http:// or https://HOST:PORT",
     ),
     (
         "peer with a path",
         GOOD + '[peers]\nurls = ["http://10.0.0.2:8000/v1"]\n',
-        "only http://HOST:PORT",
+        "only http(s)://HOST:PORT",
     ),
     (
         "peer twice",

@@ -303,6 +303,17 @@ def llamacpp_counter(port: int, name: str) -> float:
     raise AssertionError(f"no llamacpp:{name} on port {port}")
 
 
+def short_chats(app: Appliance, n: int) -> None:
+    """`n` chat completions of 4 tokens through the appliance's :8000, each one finished."""
+    client = app.client()
+    for _ in range(n):
+        reply = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+            timeout=60,
+        )  # fmt: skip
+        assert reply.choices[0].finish_reason
+
+
 def live_pid(app: Appliance, unit: str, timeout_s: float = 60) -> int:
     """The unit's main pid, once it has one. Never 0: a test that signals pid 0 signals its own
     process group, pytest included (a unit between two starts has MainPID=0)."""

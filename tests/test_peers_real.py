@@ -26,6 +26,7 @@ from tests.conftest import (
     llamacpp_counter,
     require_real_parts,
     running_manager,
+    short_chats,
 )
 
 
@@ -83,13 +84,7 @@ def test_the_front_door_is_answered_by_both_boxes(fleet: Fleet) -> None:
     assert fleet.front.key == fleet.peer.key
     ports = (fleet.front.backend_port, fleet.peer.backend_port)
     before = [predicted(p) for p in ports]
-    client = fleet.front.client()
-    for _ in range(16):
-        reply = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-            timeout=60,
-        )  # fmt: skip
-        assert reply.choices[0].finish_reason
+    short_chats(fleet.front, 16)
     after = [predicted(p) for p in ports]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
 

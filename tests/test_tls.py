@@ -61,6 +61,24 @@ def test_bad_tls_settings_are_named(tmp_path: Path, proxy: str, says: str) -> No
         _config(tmp_path, proxy)
 
 
+def _peers(tmp_path: Path, peers: str) -> Any:
+    text = (REPO / "examples" / "demo.toml").read_text() + "\n[peers]\n" + peers + "\n"
+    path = tmp_path / "b70.toml"
+    path.write_text(text)
+    return reader.load(path)
+
+
+def test_https_peers_and_the_certificates_they_are_trusted_by(tmp_path: Path) -> None:
+    both = _peers(
+        tmp_path, 'urls = ["https://10.0.0.2:8000", "http://10.0.0.3:8000"]\nca = "/ca.pem"'
+    )
+    assert both.peers.ca == "/ca.pem" and both.peers.urls[0] == "https://10.0.0.2:8000"
+    with pytest.raises(ConfigError, match="is for https:// peers"):
+        _peers(tmp_path, 'urls = ["http://10.0.0.2:8000"]\nca = "/ca.pem"')
+    with pytest.raises(ConfigError, match="not an http:// or https://HOST:PORT"):
+        _peers(tmp_path, 'urls = ["ftp://10.0.0.2:8000"]')
+
+
 def test_tls_files_are_the_owners_or_made_in_the_state_directory(tmp_path: Path) -> None:
     off = _config(tmp_path, "").proxy
     assert keys.tls_files(off.tls, off.tls_cert, off.tls_key, tmp_path) is None

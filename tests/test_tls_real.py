@@ -21,7 +21,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Appliance, own_appliance
+from tests.conftest import (
+    Appliance,
+    demo_config_text,
+    free_port,
+    installed,
+    llamacpp_counter,
+    own_appliance,
+    running_manager,
+    short_chats,
+)
 
 pytestmark = pytest.mark.real
 
@@ -201,3 +210,34 @@ def test_a_client_that_does_not_trust_the_certificate_fails_and_the_port_serves_
         headers={"Authorization": f"Bearer {tls_app.key}"}, timeout=30,
     )  # fmt: skip
     assert r.status_code == 200, r.text
+
+
+@pytest.fixture
+def front_door(tls_app: Appliance, tmp_path: Path) -> Iterator[Appliance]:
+    """Another appliance whose proxy is a front door to `tls_app` as an https:// peer, trusting
+    its certificate alone ([peers] ca); the fleet shares one master key."""
+    proxy, backend = free_port(), free_port()
+    with running_manager(tmp_path / "front") as manager:
+        key_dir = Path(manager.env["XDG_CONFIG_HOME"]) / "b70"
+        key_dir.mkdir(parents=True, exist_ok=True)
+        (key_dir / "proxy.env").write_text(f"LITELLM_MASTER_KEY={tls_app.key}\n")
+        (key_dir / "proxy.env").chmod(0o600)
+        extra = (
+            f'\n[peers]\nurls = ["https://127.0.0.1:{tls_app.proxy_port}"]\n'
+            f'ca = "{_cert(tls_app)}"\n'
+        )
+        config = tmp_path / "front.toml"
+        config.write_text(demo_config_text(proxy, backend, extra))
+        with installed(manager, config, proxy, backend) as app:
+            yield app
+
+
+def test_a_front_door_reaches_an_https_peer_trusting_its_certificate(
+    tls_app: Appliance, front_door: Appliance
+) -> None:
+    front_door.b70ctl("switch", "llamacpp", check=True)
+    ports = (front_door.backend_port, tls_app.backend_port)
+    before = [llamacpp_counter(p, "tokens_predicted_total") for p in ports]
+    short_chats(front_door, 16)
+    after = [llamacpp_counter(p, "tokens_predicted_total") for p in ports]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)

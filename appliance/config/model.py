@@ -152,7 +152,10 @@ class SwitchingConfig:
 class PeersConfig:
     """Other b70 appliances whose proxies serve the same names: this proxy routes to them too."""
 
-    urls: tuple[str, ...] = ()  # http://HOST:PORT of each peer's proxy
+    urls: tuple[str, ...] = ()  # http(s)://HOST:PORT of each peer's proxy
+    # The certificates that https:// peers are trusted by (PEM, one file; e.g. their self-signed
+    # ones, concatenated); None: the system's trust.
+    ca: str | None = None
     # Where two front doors share their routing data (cooldowns, usage): LiteLLM's Redis
     redis_host: str | None = None
     redis_port: int = 6379

@@ -65,7 +65,7 @@ class ServingKeys(Walker):
 
     def peers(self, t: Mapping[str, Any], proxy: ProxyConfig) -> PeersConfig:
         p = "peers."
-        self.known(t, p, {"urls", "redis_host", "redis_port", "cooldown_s"})
+        self.known(t, p, {"urls", "redis_host", "redis_port", "cooldown_s", "ca"})
         urls = self.strings(t, "urls", p)
         for i, url in enumerate(urls):
             if problem := check_peer_url(url):
@@ -79,8 +79,12 @@ class ServingKeys(Walker):
         redis = self.get(t, "redis_host", p, str, "", check_host) or None
         if redis is not None and not urls:
             raise self.fail(p + "redis_host", "is for front doors with peers: list peers.urls")
+        ca = self.path_value(t, "ca", p, "/") if "ca" in t else None
+        if ca is not None and not any(u.startswith("https://") for u in urls):
+            raise self.fail(p + "ca", "is for https:// peers: list one in peers.urls")
         return PeersConfig(
             urls=urls,
+            ca=ca,
             redis_host=redis,
             redis_port=self.get(t, "redis_port", p, int, 6379, check_port),
             cooldown_s=self.get(

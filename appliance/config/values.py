@@ -160,12 +160,13 @@ def check_pci_address(value: str) -> str | None:
 
 
 def check_peer_url(value: str) -> str | None:
-    """A peer appliance's proxy: http://HOST:PORT, nothing after it (the proxy adds /v1)."""
+    """A peer appliance's proxy: http://HOST:PORT or https://HOST:PORT (a peer with [proxy] tls),
+    nothing after it (the proxy adds /v1)."""
     parts = urllib.parse.urlsplit(value)
-    if parts.scheme != "http" or not parts.hostname:
-        return f"{value!r} is not an http://HOST:PORT address of a peer's proxy"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{value!r} is not an http:// or https://HOST:PORT address of a peer's proxy"
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        return f"{value!r}: only http://HOST:PORT, the peer's :8000 (the proxy adds /v1)"
+        return f"{value!r}: only http(s)://HOST:PORT, the peer's :8000 (the proxy adds /v1)"
     try:
         port = parts.port
     except ValueError:

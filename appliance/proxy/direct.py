@@ -32,6 +32,7 @@ import ipaddress
 import json
 import os
 import socket
+import ssl
 import sys
 import urllib.parse
 from collections.abc import Collection, Iterable, Mapping
@@ -98,6 +99,7 @@ class Target:
     model: str
     headers: tuple[tuple[str, str], ...] = ()  # a peer's: its key, and that it comes from a peer
     deployment_id: str | None = None  # the router's id of it, for its cooldown
+    tls: bool = False  # an https:// peer
 
 
 class Replicas(Protocol):
@@ -129,7 +131,8 @@ def origin_of(
         return None
     base = urllib.parse.urlsplit(api_base.rstrip("/"))
     origin = f"{base.scheme}://{base.netloc}"
-    if base.scheme != "http" or origin not in {u.rstrip("/") for u in backend_urls}:
+    schemes = ("http", "https") if provider != PROVIDER else ("http",)  # a peer may be https
+    if base.scheme not in schemes or origin not in {u.rstrip("/") for u in backend_urls}:
         return None
     if base.hostname is None or base.query or base.fragment:
         return None
@@ -151,14 +154,15 @@ def target_of(
         return None
     params = found[0]["litellm_params"]
     base = urllib.parse.urlsplit(params["api_base"].rstrip("/"))
+    tls = base.scheme == "https"
     try:
-        port = base.port or 80
+        port = base.port or (443 if tls else 80)
     except ValueError:
         return None
     assert base.hostname is not None  # origin_of checked it
     served = params["model"].removeprefix(provider)
     deployment_id = (found[0].get("model_info") or {}).get("id")
-    return Target(base.hostname, port, base.path, served, headers, deployment_id)
+    return Target(base.hostname, port, base.path, served, headers, deployment_id, tls)
 
 
 def as_served(body: bytes, asked: str, target: Target) -> bytes:
@@ -192,7 +196,7 @@ async def exchange(
     connection = h11.Connection(h11.CLIENT)
     request = b"".join(connection.send(event) or b"" for event in _request(target, kind, body))
     try:
-        reader, writer = await open_with(target.host, target.port, request)
+        reader, writer = await open_with(target.host, target.port, request, target.tls)
     except OSError:
         return Done(NOT_READY, reached=False)
     ongoing = _Exchange(target, kind, reader, writer, send, mend)
@@ -243,7 +247,7 @@ def _request(target: Target, kind: str, body: bytes) -> tuple[h11.Event, ...]:
 
 
 async def open_with(
-    host: str, port: int, request: bytes
+    host: str, port: int, request: bytes, tls: bool = False
 ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A new connection to the runtime, with the request written to it.
 
@@ -253,6 +257,12 @@ async def open_with(
     after the worker's loop has checked every request of the burst and come back to each
     connection (docs/proxy.md). Elsewhere (a peer on the network), and if the kernel did not
     take the request at once, the connection is opened the usual way."""
+    if tls:  # an https:// peer, trusted as B70_PEER_CA says (else the system's trust)
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=peer_context(), server_hostname=host
+        )
+        writer.write(request)
+        return reader, writer
     sock = _connect_at_once(host, port)
     if sock is None:
         reader, writer = await asyncio.open_connection(host, port)
@@ -266,6 +276,16 @@ async def open_with(
         raise
     writer.write(request[sent:])
     return reader, writer
+
+
+_PEER_CONTEXT: list[ssl.SSLContext] = []
+
+
+def peer_context() -> ssl.SSLContext:
+    """The TLS client context for https:// peers, made once per worker (loading trust costs)."""
+    if not _PEER_CONTEXT:
+        _PEER_CONTEXT.append(ssl.create_default_context(cafile=os.environ.get("B70_PEER_CA")))
+    return _PEER_CONTEXT[0]
 
 
 def _connect_at_once(host: str, port: int) -> socket.socket | None:

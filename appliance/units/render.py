@@ -238,6 +238,8 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         )
     if config.peers.urls:  # other appliances' proxies: their readiness and the key they take
         env["B70_PEER_URL"] = " ".join(config.peers.urls)
+    if config.peers.ca:  # what https:// peers are trusted by: the door's and LiteLLM's clients
+        env["B70_PEER_CA"] = env["SSL_CERT_FILE"] = config.peers.ca
     if not config.proxy.pass_through:  # every model request LiteLLM's full way (relay.py)
         env["B70_PASS_THROUGH"] = "0"
     if config.proxy.fair:  # fair turns at a full runtime (appliance/proxy/share/fair.py)

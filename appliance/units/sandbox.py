@@ -228,6 +228,7 @@ def proxy(config: Config, lay: Layout, litellm: str) -> list[Directive]:
     ]
     reads = [str(lay.proxy_config), config.b70ctl, litellm]
     reads += [p for p in (config.proxy.tls_cert, config.proxy.tls_key) if p]  # the owner's TLS
+    reads += [config.peers.ca] if config.peers.ca else []
     out += _files(lay, reads, state=HELD_DIR)
     out += _cache("b70-litellm.service", {})
     # Peers and their Redis: the proxy talks to them, so it is not loopback-only
