@@ -1,17 +1,23 @@
 """Front doors that share a Redis ([peers] redis_host, B70_REDIS "HOST:PORT") share their people's
-keys and each key's limits there.
+keys, each key's limits and each key's use there.
 
 Keys (`FleetKeys`): each proxy worker looks every half second at its own keys file and at the
-fleet's hash (FLEET_KEYS),
-writes there what of its own the hash lacks or has older, and takes the latest of each name
-(appliance.people.fleet_view). A key made, rotated or revoked on one door counts on every door
-within a second or two, without a restart.
+fleet's hash (FLEET_KEYS), writes there what of its own the hash lacks or has older, and takes
+the latest change of each name (appliance.people.fleet_view): a key made, rotated or revoked on
+one door counts on every door within a second or two, without a restart. Redis that cannot be
+reached leaves each door its own file and the fleet's keys as last read (the journal says so
+once, and again when it is back). The fleet's hash as last read is written to
+held/keys-fleet.json (mode 0600): `b70ctl keys` takes the same latest change of each name from it
+and the door's own file, to list the keys in force and to rotate or revoke on one door a key
+made on another.
 
-Redis that cannot be reached leaves each door with its own file and the fleet's keys as last read
-(the journal says so once, and again when it is back). What a door learned from the others is
-The fleet's hash as last read is written to held/keys-fleet.json (mode 0600): `b70ctl keys` takes
-the same latest change of each name from it and the door's own file, to list the keys in force and
-to rotate or revoke on one door a key made on another.
+Limits (`FleetLimits`): one atomic check and count in Redis per request of a limited key, each
+worker's open requests beside its heartbeat. A worker's own counts are what it writes there:
+the end of a request, and every heartbeat, write them again, so a count written out of order is
+right again within half a second.
+
+Use (`FleetUsage`): each key's use added to the fleet's hourly hashes every 2 s, for `b70ctl
+usage --fleet`.
 """
 
 from __future__ import annotations
@@ -238,10 +244,11 @@ class FleetLimits(Limits):
             with contextlib.suppress(Exception):
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(f"b70:alive:{self.worker}", 1, ex=ALIVE_S)
-                for name in [n for n, c in self.open.items() if c > 0]:
+                names = list(self.open)
+                for name in names:  # none open: its field goes (the end's own write may not have)
                     self._count(pipe, name)
                 await pipe.execute()
-            self.open = {n: c for n, c in self.open.items() if c > 0}
+                self.open = {n: c for n, c in self.open.items() if c > 0 or n not in names}
             await asyncio.sleep(LOOK_EVERY_S)
 
     def _away(self, e: BaseException) -> None:

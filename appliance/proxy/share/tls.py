@@ -6,7 +6,7 @@ every TLS connection, and no HTTP request begins with it. The port stays systemd
 uvicorn's own HTTP protocol, over TLS or not, so keep-alive and streaming are as before.
 
 Plain HTTP stays for this machine: `b70ctl`, the monitor and the health gate talk to loopback.
-A request in plain HTTP from another machine is refused (`afar_in_clear`), its key having
+A request in plain HTTP from another machine is refused (`InClear`), its key having
 crossed the network in clear: the answer says to use https:// and which certificate to trust.
 
 The first bytes are read as they come (an event loop's `start_tls` cannot take bytes already
@@ -35,7 +35,7 @@ from appliance.proxy.checks import Refusal
 
 HANDSHAKE = 0x16  # the first byte of a TLS record that carries a handshake (RFC 8446, 5.1)
 FIRST_BYTES_S = 10.0  # a connection that sends nothing, or no whole handshake, in this is closed
-READ_BYTES = 256 * 1024
+READ_BYTES = 64 * 1024  # at most, per read of the decrypted stream
 LOOK_S = 5.0  # how often the certificate files are looked at, at most
 _HEX_COLON = "0123456789abcdefABCDEF:."
 
