@@ -4,6 +4,7 @@ with its own config and state homes; uninstalled and the manager stopped afterwa
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -90,3 +91,4 @@ def demo_appliance(
     finally:
         subprocess.run([*demo.b70ctl, "uninstall", "--purge"], env=env, capture_output=True)
         subprocess.run([USER_MANAGER, "stop", str(root / "mgr")], env=env)
+        shutil.rmtree(root, ignore_errors=True)  # its config, journal and state, now unused
