@@ -212,6 +212,19 @@ def read_revoked(state_dir: Path) -> dict[str, float]:
         return {}
 
 
+class Edited(dict[str, Person]):
+    """The people a `keys` command changes, and every name that was among them in the block: a
+    key of another front door taken in to be revoked here is kept as revoked too."""
+
+    def __init__(self, people: Mapping[str, Person]) -> None:
+        super().__init__(people)
+        self.seen = set(people)
+
+    def __setitem__(self, name: str, person: Person) -> None:
+        self.seen.add(name)
+        super().__setitem__(name, person)
+
+
 @contextmanager
 def editing(state_dir: Path, owner: int | None = None) -> Iterator[dict[str, Person]]:
     """The people, to change in the block; written back whole, atomically and synced, when the
@@ -221,15 +234,17 @@ def editing(state_dir: Path, owner: int | None = None) -> Iterator[dict[str, Per
     fd = os.open(state_dir / KEYS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        people = read_keys(state_dir)
+        people = Edited(read_keys(state_dir))
         before = dict(people)
         yield people
-        if people != before:
-            # A key taken away is kept as when it was revoked, for the peers (fleet_view);
-            # one made again under its name is not.
-            revoked = {n: t for n, t in read_revoked(state_dir).items() if n not in people}
-            revoked.update({n: time.time() for n in before if n not in people})
-            write_atomic(state_dir / KEYS_FILE, dump_keys(people, revoked), mode=0o600, owner=owner)
+        # A key taken away is kept as when it was revoked, for the peers (fleet_view); one made
+        # again under its name is not.
+        was = read_revoked(state_dir)
+        revoked = {n: t for n, t in was.items() if n not in people}
+        revoked.update({n: time.time() for n in people.seen if n not in people and n not in was})
+        if dict(people) != before or revoked != was:
+            text = dump_keys(people, revoked)
+            write_atomic(state_dir / KEYS_FILE, text, mode=0o600, owner=owner)
     finally:
         os.close(fd)  # and the flock with it
 
@@ -347,9 +362,12 @@ class KeyRing:
         self.log = log
         self.people: dict[str, Person] = {}
         self.revoked: dict[str, float] = {}
-        # The keys of the fleet's front doors, merged with this file's (appliance.proxy.share.
-        # fleet); None: this door alone.
-        self.fleet: dict[str, Person] | None = None
+        # The fleet's hash as last read (appliance.proxy.share.fleet sets it; None: this door
+        # alone), and the keys in force from it and this file, made again when either changes.
+        self.remote: Mapping[str, object] | None = None
+        self.fleet: dict[str, Person] = {}
+        self.changes = 0  # of the file's keys or the fleet's hash
+        self.merged = -1  # the changes the fleet's keys were made from
         self.seen: tuple[int, ...] | None = None  # the file read last: inode, times, size
         self.looked = -math.inf
         self.problem: str | None = None  # why the file could not be read, said once
@@ -359,7 +377,18 @@ class KeyRing:
 
     def current(self) -> Mapping[str, Person]:
         self.local()
-        return self.fleet if self.fleet is not None else self.people
+        if self.remote is None:
+            return self.people
+        if self.changes != self.merged:  # the file or the fleet's hash changed: merged at once
+            self.fleet, _ = fleet_view(self.people, self.revoked, self.remote)
+            self.merged = self.changes
+        return self.fleet
+
+    def take_remote(self, remote: Mapping[str, object]) -> None:
+        """The fleet's hash as just read (appliance.proxy.share.fleet)."""
+        if remote != self.remote:
+            self.remote = dict(remote)
+            self.changes += 1
 
     def local(self) -> Mapping[str, Person]:
         """This door's own keys file, looked at every LOOK_EVERY_S."""
@@ -373,6 +402,8 @@ class KeyRing:
         try:
             st = os.stat(path)
         except FileNotFoundError:
+            if self.seen is not None or self.people:
+                self.changes += 1
             self.people, self.seen, self.problem = {}, None, None  # no keys file: no people
             self.revoked = {}
             return
@@ -386,6 +417,7 @@ class KeyRing:
         try:
             text = path.read_text()
             self.people, self.revoked = parse_keys(text), parse_revoked(text)
+            self.changes += 1
         except (OSError, UnicodeDecodeError) as e:
             self.unreadable(path, getattr(e, "strerror", None) or str(e))
             return

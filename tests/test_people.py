@@ -419,3 +419,26 @@ def test_the_fleets_usage_adds_every_hour_and_door_and_passes_over_what_is_not_a
     found = usage.fleet_usage(hours)
     assert found["alice"] == usage.Use(3, 10, 0, 0.5, 0)
     assert found["bob"] == usage.Use(0, 0, 0, 0.0, 1)
+
+
+def test_a_key_of_another_door_revoked_here_is_kept_as_revoked(tmp_path: Path) -> None:
+    theirs = _person("carol", "c1", 30.0)
+    with people.editing(tmp_path) as everyone:
+        everyone["carol"] = theirs  # `keys revoke carol`, a key made on another front door
+        del everyone["carol"]
+    assert list(people.read_revoked(tmp_path)) == ["carol"] and people.read_keys(tmp_path) == {}
+    view, publish = people.fleet_view(
+        {}, people.read_revoked(tmp_path), {"carol": people.entry_of(theirs)}
+    )
+    assert view == {} and set(publish) == {"carol"}
+
+
+def test_a_door_of_a_fleet_takes_its_own_files_change_at_its_next_look(tmp_path: Path) -> None:
+    clock = [0.0]
+    ring = people.KeyRing(tmp_path / people.KEYS_FILE, lambda: "", clock=lambda: clock[0])
+    ring.take_remote({"carol": people.entry_of(_person("carol", "c1", 30.0))})
+    assert set(ring.current()) == {"carol"}
+    with people.editing(tmp_path) as everyone:
+        people.added(everyone, "alice", people.new_secret())
+    clock[0] += people.LOOK_EVERY_S  # the file's next look, not the fleet's next read
+    assert set(ring.current()) == {"alice", "carol"}

@@ -55,7 +55,7 @@ def redis_address(text: str) -> tuple[str, int] | None:
 
 
 class FleetKeys:
-    """One worker's share of the fleet's keys, kept in its KeyRing (`ring.fleet`)."""
+    """One worker's share of the fleet's keys: the hash read into its KeyRing, its own written."""
 
     def __init__(self, ring: KeyRing, redis: Any, state_dir: Path) -> None:
         self.ring, self.redis = ring, redis
@@ -72,12 +72,11 @@ class FleetKeys:
             await asyncio.sleep(LOOK_EVERY_S)
 
     async def once(self) -> None:
-        local = dict(self.ring.local())
         reached = await self._read()
-        people, publish = fleet_view(local, self.ring.revoked, self.remote)
+        _, publish = fleet_view(self.ring.local(), self.ring.revoked, self.remote)
         if reached and publish:
             await self._write(publish)
-        self.ring.fleet = people
+        self.ring.take_remote(self.remote)  # the ring merges it with its file at its next look
         self._note()
 
     async def _read(self) -> bool:
