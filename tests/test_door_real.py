@@ -546,7 +546,7 @@ def test_plan_compares_itself_with_the_cache_vllm_reports(
     cache_gib = rows["cache on each card, GiB"]["reported"]
     block = int(rows["block size (tokens)"]["reported"])
     second = door_app.b70ctl(
-        *base, url, "--kv-cache-gib", repr(cache_gib), "--block-align", str(block), "--json"
+        *base, url, "--kv-cache-gib", repr(cache_gib), "--block-size", str(block), "--json"
     )
     doc = json.loads(second.stdout)["result"]
     rows = {r["what"]: r for r in doc["compared"]["rows"]}
@@ -556,6 +556,6 @@ def test_plan_compares_itself_with_the_cache_vllm_reports(
     # block pool's null block out.
     assert abs(fit["planned"] - fit["reported"]) < 1, rows
     text = door_app.b70ctl(
-        *base, url, "--kv-cache-gib", repr(cache_gib), "--block-align", str(block)
+        *base, url, "--kv-cache-gib", repr(cache_gib), "--block-size", str(block)
     )
     assert f"against the vLLM at {url}:" in text.stdout and "+0.0%" in text.stdout

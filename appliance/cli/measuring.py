@@ -14,93 +14,34 @@ from appliance.cli.base import Context, cli, with_json
 from appliance.errors import ApplianceError
 
 
-@cli.command()
-@click.argument("config_json", type=click.Path(path_type=Path, dir_okay=False))
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.argument("target")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
 @click.option(
-    "--dtype",
-    default="bf16",
-    show_default=True,
-    help="Weights dtype (and of what is not quantized).",
-)
-@click.option(
-    "--quantization",
-    "quant",
-    default="none",
-    show_default=True,
-    help="none, fp8, gptq-int4, gptq-int8, q8_0, q4_k_m.",
-)
-@click.option(
-    "--kv-dtype", default="bf16", show_default=True, help="KV cache dtype (fp8, fp16, bf16, fp32)."
-)
-@click.option(
-    "--state-dtype", default="fp32", show_default=True, help="GDN state dtype (fp32, fp16)."
-)
-@click.option("--card", type=click.Choice(["b70"]), default="b70", show_default=True)
-@click.option("--card-gib", type=float, help="Card memory, instead of the card's.")
-@click.option(
-    "--bandwidth-gbs", type=float, help="Memory bandwidth in GB/s, instead of the card's."
-)
-@click.option(
-    "--utilization", type=float, default=0.9, show_default=True, help="GPU memory utilization."
-)
-@click.option(
-    "--tokens", type=int, default=4096, show_default=True, help="Tokens of context per request."
-)
-@click.option(
-    "--cards",
+    "--tokens",
     type=int,
-    default=1,
-    show_default=True,
-    help="Cards the model is split over (vLLM's tensor parallelism); figures are per card.",
-)
-@click.option(
-    "--block-align",
-    type=int,
-    default=None,
-    help="What vLLM rounds the attention block size of a hybrid model to. Default: 64 for a "
-    "model with GDN layers, as vLLM on XPU rounds it; 16, vLLM's own, otherwise.",
-)
-@click.option(
-    "--cpu-offload-gib", type=float, default=0.0, show_default=True, help="Per card, as vLLM's."
-)
-@click.option(
-    "--cpu-offload-params",
-    "offload_params",
-    type=click.Choice(["all", "embed_tokens"]),
-    default="all",
-    show_default=True,
-    help="What may be offloaded. vLLM offloads only the decoder layers' parameters, so "
-    "embed_tokens offloads nothing.",
-)
-@click.option(
-    "--reserve-gib",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Memory kept for activations and workspace.",
-)
-@click.option(
-    "--max-num-batched-tokens",
-    "batched_tokens",
-    type=int,
-    default=2048,
-    show_default=True,
-    help="As vLLM's (its default for a card under 70 GiB): the tokens of its start-up profile, "
-    "whose peak vLLM keeps back from the cache; 0: none.",
-)
-@click.option(
-    "--max-num-seqs",
-    "max_seqs",
-    type=int,
-    default=256,
-    show_default=True,
-    help="As vLLM's: the rows of the sampler in its start-up profile.",
+    help="The length of the requests to count at once (default: the max model length).",
 )
 @click.option(
     "--kv-cache-gib",
     type=float,
     help="The cache of each card as vLLM measured it (its log's 'Available KV cache memory'), "
-    "instead of the budget worked out from the utilization, weights and reserve.",
+    "instead of the budget worked out from the card, the weights and the profile.",
+)
+@click.option(
+    "--weights-gib",
+    type=float,
+    help="The weights on each card as vLLM logged them ('Model loading took'), instead of the "
+    "estimate from config.json.",
+)
+@click.option(
+    "--vllm-version",
+    help="The vLLM release: before 0.20 it counted its KV cache size in tokens otherwise.",
+)
+@click.option("--card", type=click.Choice(["b70"]), default="b70", show_default=True)
+@click.option("--card-gib", type=float, help="Card memory as vLLM sees it, instead of the card's.")
+@click.option(
+    "--bandwidth-gbs", type=float, help="Memory bandwidth in GB/s, instead of the card's."
 )
 @click.option(
     "--compare",
@@ -117,34 +58,58 @@ from appliance.errors import ApplianceError
     help="Batch sizes for the decode step (default 1 and 64).",
 )
 @with_json
-def plan(ctx: Context, config_json: Path, compare_url: str | None, **options: Any) -> None:
-    """Memory and decode speed of a model on a card, from its Hugging Face config.json.
+def plan(ctx: Context, target: str, vllm_args: tuple[str, ...], compare_url: str | None,
+         **options: Any) -> None:  # fmt: skip
+    """What vLLM will print at start-up, before a minutes-long start: TARGET is a model's
+    Hugging Face config.json followed by `vllm serve`'s flags, or a vLLM runtime of the
+    appliance's config (planned from its own args).
 
-    GDN state per request, KV cache per token, weights and cache per card, the requests that
-    fit at a memory utilization as vLLM lays out its cache (hybrid models' pages unified to one
-    size), and the memory-bound decode step at the cards' bandwidth.
+    Prints the lines of vLLM's start-up log (model loading, available KV cache memory,
+    attention block size, mamba padding, GPU KV cache size, maximum concurrency), then how
+    many requests of --tokens run at once, and whether one request of the max model length
+    fits at all.
 
     \b
     Example:
-      b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --state-dtype fp16 \\
-        --utilization 0.82 --tokens 1024 --cpu-offload-gib 4 --cpu-offload-params embed_tokens
-      b70ctl plan config.json --quantization gptq-int4 --kv-dtype fp8 --cards 2
-      b70ctl plan config.json --utilization 0.9 --compare http://127.0.0.1:8001
+      b70ctl plan config.json --quantization gptq --dtype float16 --kv-cache-dtype fp8 \\
+        --max-model-len 16384 --gpu-memory-utilization 0.82 --max-num-seqs 64 \\
+        --max-num-batched-tokens 8192 --no-enable-prefix-caching --tokens 1024
+      b70ctl plan config.json -tp 2 --max-model-len 131072 \\
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 5}'
+      b70ctl plan vllm --tokens 1024
     """
-    from appliance.measure import capacity, measured
+    from appliance.measure import capacity, measured, recipe, serveflags
 
-    result = capacity.plan_file(config_json, options)
-    doc = dataclasses.asdict(result)
+    if recipe.names_a_file(target):
+        cfg = capacity.read_config(Path(target))
+        serve = serveflags.parse(vllm_args)
+        env: dict[str, str] = {}
+        where = target
+    else:
+        if vllm_args:
+            raise ApplianceError(
+                f"plan {target} takes the runtime's own args; "
+                f"extra flags {' '.join(vllm_args)!r} are not used",
+                hint=f"change runtimes.{target}.args, or plan its config.json with these flags",
+                code="plan_input_invalid",
+            )
+        rt = ctx.config().runtime(target)
+        cfg, where = recipe.model_config(rt)
+        serve, env = recipe.serve_of(rt), dict(rt.env)
+    result = capacity.plan_options(cfg, serve, options, env)
+    doc = output.plan_document(result, serve, where)
     if compare_url is None:
-        output.show(ctx.json, doc, lambda: output.render_plan(result))
+        output.show(ctx.json, doc, lambda: output.render_plan(result, serve))
         return
     compared = measured.against(
-        compare_url, result, lambda n: capacity.plan_file(config_json, {**options, "tokens": n})
+        compare_url,
+        result,
+        lambda n: capacity.plan_options(cfg, serve, {**options, "tokens": n}, env),
     )
     doc["compared"] = {**dataclasses.asdict(compared), "rows": [
         {**dataclasses.asdict(r), "apart": r.apart} for r in compared.rows
     ]}  # fmt: skip
-    output.show(ctx.json, doc, lambda: output.render_plan(result, compared))
+    output.show(ctx.json, doc, lambda: output.render_plan(result, serve, compared))
 
 
 @cli.command("gate")

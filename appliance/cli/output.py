@@ -263,39 +263,108 @@ def render_gpu(snap: Any) -> str:
     return "\n".join(lines)
 
 
-def render_plan(p: Any, compared: Any = None) -> str:
+def gib2(n: float) -> str:
+    """vLLM's format_gib: GiB rounded to two places, as Python prints the float."""
+    return str(round(n / 1024**3, 2))
+
+
+def plan_log(p: Any) -> list[str]:
+    """The lines vLLM prints at start-up for this plan, in its words and rounding."""
+    g = p.paging
+    lines = [f"Model loading took {gib2(p.weight_bytes_per_card)} GiB memory"]
+    if g.state_groups and g.attention_groups:
+        lines.append(
+            f"Setting attention block size to {g.block_size} tokens to ensure that attention "
+            "page size is >= mamba page size."
+        )
+        if g.state_padding > 0:
+            lines.append(
+                f"Padding mamba page size by {g.state_padding * 100:.2f}% to ensure that mamba "
+                "page size and attention page size are exactly equal."
+            )
+    if g.padding_layers:
+        lines.append(f"Add {g.padding_layers} padding layers to the KV cache groups")
+    lines.append(f"Available KV cache memory: {gib2(p.available_kv_bytes)} GiB")
+    if p.fits:
+        lines += [
+            f"GPU KV cache size: {p.kv_cache_tokens:,} tokens",
+            f"Maximum concurrency for {p.max_model_len:,} tokens per request: "
+            f"{p.max_concurrency:.2f}x",
+        ]
+    else:
+        lines.append(refusal_line(p))
+    return lines
+
+
+def refusal_line(p: Any) -> str:
+    return (
+        "ValueError: To serve at least one request with the model's max seq len "
+        f"({p.max_model_len}), ({gib2(p.paging.needed_bytes)} GiB KV cache is needed, which is "
+        f"larger than the available KV cache memory ({gib2(p.available_kv_bytes)} GiB)."
+    )
+
+
+def plan_fix(p: Any) -> str:
+    """What would let one request of the max model length fit."""
+    fixes = []
+    if p.longest_len:
+        fixes.append(f"--max-model-len {p.longest_len} or less")
+    if p.utilization_needed is not None:
+        fixes.append(f"--gpu-memory-utilization {p.utilization_needed:.2f}")
+    if not fixes:
+        return (
+            "the model does not fit this card: more cards (--tensor-parallel-size) "
+            "or a smaller quantization"
+        )
+    return " or ".join(fixes)
+
+
+def plan_document(p: Any, serve: Any, where: str) -> dict[str, Any]:
+    import dataclasses
+
+    doc = dataclasses.asdict(p)
+    doc.update(config=where, log=plan_log(p), ignored_flags=list(serve.ignored))
+    if not p.fits:
+        doc["fix"] = plan_fix(p)
+    return doc
+
+
+def render_plan(p: Any, serve: Any = None, compared: Any = None) -> str:
     mib = 1024**2
-    lines = [
-        f"parameters             {p.params / 1e9:.2f} B "
-        f"({p.active_params_per_token / 1e9:.2f} B active per token)",
-        f"weights                {size(p.weight_bytes)}",
-        f"GDN state per request  {p.gdn_state_bytes / mib:.1f} MiB "
-        f"(+ conv state {p.conv_state_bytes / mib:.2f} MiB)",
-        f"KV cache per token     {p.kv_bytes_per_token / 1024:.1f} KiB",
-        f"memory per request     {p.request_bytes / mib:.1f} MiB (state and KV, unpadded)",
-    ]
+    lines = ["vLLM's start-up, as planned:"]
+    lines += ["  " + line for line in plan_log(p)]
+    tokens = f"{p.tokens:,}"
+    lines.append(f"requests of {tokens} tokens at once: {p.requests_fit}")
+    if not p.fits:
+        lines.append(f"to fit: {plan_fix(p)}")
     g = p.paging
     card = "each card" if p.cards > 1 else "the card"
     lines += [
-        f"cards                  {p.cards} ({g.kv_heads_per_card} KV heads on {card})",
-        f"{'weights on ' + card:<23}{size(p.weight_bytes_per_card)} "
-        f"({size(p.cpu_offload_bytes)} of them offloaded to the CPU)",
-        f"{'profile on ' + card:<23}{size(p.profile_bytes)} "
-        "(the peak of vLLM's start-up profile, kept back from the cache)",
-        f"{'cache on ' + card:<23}{size(p.budget_bytes)}",
-        f"vLLM's cache           block {g.block_size} tokens, page {g.page_bytes / mib:.2f} MiB"
-        + (f" (GDN state padded {g.state_padding:.2%})" if g.state_groups else ""),
-        f"                       {g.attention_groups} attention + {g.state_groups} GDN group(s) "
-        f"of {g.group_size} layers, {g.blocks} blocks",
-        f"per request            {g.blocks_per_request} blocks, "
-        f"{g.bytes_per_request / mib:.1f} MiB on {card}",
-        f"requests that fit      {p.requests_fit}",
+        f"parameters             {p.params / 1e9:.2f} B "
+        f"({p.active_params_per_token / 1e9:.2f} B active per token)",
+        f"weights                {size(p.weight_bytes)}"
+        + (
+            f", {size(p.cpu_offload_bytes)} on {card} offloaded to the CPU"
+            if p.cpu_offload_bytes
+            else ""
+        ),
+        f"profile on {card:<12}{size(p.profile_bytes)} (the peak of vLLM's start-up profile)",
+        f"GDN state per request  {p.gdn_state_bytes / mib:.1f} MiB "
+        f"(+ conv state {p.conv_state_bytes / mib:.2f} MiB)",
+        f"KV cache per token     {p.kv_bytes_per_token / 1024:.1f} KiB",
+        f"cache layout           {g.attention_groups} attention + {g.state_groups} GDN group(s) "
+        f"of {g.group_size} layers, {g.blocks} blocks; {g.blocks_per_request} a request of "
+        f"{tokens} tokens, {g.blocks_per_max_len} of {p.max_model_len:,}",
     ]
     for step in p.steps:
         lines.append(
             f"decode step, batch {int(step['batch']):<4} {step['step_ms']:.2f} ms "
             f"({step['tokens_per_s']:.0f} tok/s, memory-bound)"
         )
+    for note in p.unsure:
+        lines.append(f"unsure: {note}")
+    if serve is not None and serve.ignored:
+        lines.append("not planned (no effect on memory here): " + " ".join(serve.ignored))
     if compared is not None:
         lines.append(f"against the vLLM at {compared.url}:")
         rows = [["", "PLANNED", "VLLM REPORTS", "APART"]]

@@ -12,16 +12,16 @@ the dtype and quantization choices:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from appliance.errors import ApplianceError
-from appliance.measure import paging
+from appliance.measure import paging, quant, serveflags
 from appliance.measure.shape import (  # fmt: skip
     DTYPE_BYTES,
-    QUANT_BITS,
     Params,
     Shape,
     conv_state_bytes,
@@ -32,9 +32,6 @@ from appliance.measure.shape import (  # fmt: skip
     weight_bytes,
 )
 from appliance.sizes import GIB
-
-CARDS = {"b70": (32 * 1024**3, 608e9)}  # Intel Arc Pro B70: 32 GB GDDR6, 608 GB/s
-
 
 # vLLM's defaults for its OpenAI server on a card under 70 GiB (EngineArgs._set_default_args
 # in vllm/engine/arg_utils.py): the start-up profile runs this many tokens at once.
@@ -100,67 +97,175 @@ class Plan:
     kv_bytes_per_token: int
     request_bytes: int  # GDN state, conv state and KV cache of one request, unpadded
     cards: int
-    weight_bytes_per_card: int
+    weight_bytes_per_card: int  # on the card: what vLLM logs as "Model loading took"
     cpu_offload_bytes: int  # per card
-    budget_bytes: int  # per card: for the cache, after weights and the reserve
+    available_kv_bytes: int  # per card: vLLM's "Available KV cache memory"
     profile_bytes: int  # per card: the start-up profile's peak, kept back from the cache
-    requests_fit: int  # as vLLM lays out the cache (paging)
+    requests_fit: int  # of `tokens`, as vLLM lays out the cache (paging)
+    block_size: int
+    state_padding: float
+    kv_cache_tokens: int
+    max_concurrency: float
+    max_model_len: int
+    tokens: int
+    fits: bool  # one request of the max model length fits
+    longest_len: int  # the longest --max-model-len whose one request fits
+    utilization_needed: float | None  # the --gpu-memory-utilization that holds one (None: none)
+    available_given: bool  # the cache was given (logged, or --kv-cache-memory-bytes)
+    unsure: list[str]
     paging: paging.Paging
     steps: list[dict[str, float]]
+
+    @property
+    def budget_bytes(self) -> int:  # the name `--compare` and older callers use
+        return self.available_kv_bytes
+
+
+# vLLM on one Arc Pro B70 sees 30.3 GiB: Intel's runtime reports "usable global mem = 30.3 GiB"
+# (clinfo), and a B70 owner's log puts "util 0.85 = 25.75 GiB of 30.3 GiB card"
+# (hotschmoe/b70_ai_things, 2026-07). The 32 GB on the box is 34,242,297,856 bytes to torch.
+B70_VISIBLE_BYTES = int(30.3 * GIB)
+CARDS = {"b70": (B70_VISIBLE_BYTES, 608e9)}  # Intel Arc Pro B70: 608 GB/s GDDR6
+# Memory vLLM counts as used that neither the weights nor the profile's tensors explain: the
+# Level Zero and SYCL runtime's own, the allocator's cached segments (llm-scaler prints the
+# latter as "Fragmentation (Wasted)": 1.47 GB on one B70, intel/llm-scaler#339). Fitted to the
+# B70 logs whose weights load as they are (see docs/plan.md).
+NON_TORCH_BYTES = int(0.75 * GIB)
+# vLLM's default --gpu-memory-utilization, and its defaults for a card under 70 GiB
+DEFAULT_UTILIZATION = 0.92
+# vLLM releases before 0.20 count "GPU KV cache size" as blocks over groups x block size.
+NEW_TOKEN_COUNT = (0, 20)
+
+
+def _dtype_name(serve_dtype: str, cfg: Mapping[str, Any]) -> str:
+    if serve_dtype in ("half", "float16"):
+        return "fp16"
+    if serve_dtype == "bfloat16":
+        return "bf16"
+    if serve_dtype in ("float", "float32"):
+        return "fp32"
+    nested = cfg.get("text_config")
+    text: Mapping[str, Any] = nested if isinstance(nested, dict) else {}
+    named = (
+        text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or cfg.get("dtype")
+    )
+    return {"float16": "fp16", "float32": "fp32"}.get(str(named), "bf16")
+
+
+def _config_value(cfg: Mapping[str, Any], key: str) -> Any:
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and key in text:
+        return text[key]
+    return cfg.get(key)
+
+
+def _unsure_shape(cfg: Mapping[str, Any]) -> list[str]:
+    notes = []
+    types = _config_value(cfg, "layer_types")
+    if isinstance(types, list):
+        odd = sorted({str(t) for t in types} - {"full_attention", "linear_attention"})
+        if odd:
+            notes.append(f"layer types {', '.join(odd)} are not ones the plan lays out")
+    if _config_value(cfg, "kv_lora_rank"):
+        notes.append("multi-head latent attention (kv_lora_rank) is not laid out by the plan")
+    if _config_value(cfg, "sliding_window") and not isinstance(types, list):
+        notes.append("sliding-window attention is laid out as full attention")
+    return notes
 
 
 def plan(
     cfg: Mapping[str, Any],
+    serve: serveflags.Serve | None = None,
     *,
-    dtype: str = "bf16",
-    quant: str = "none",
-    kv_dtype: str = "bf16",
-    state_dtype: str = "fp32",
+    tokens: int | None = None,
     card_bytes: int = CARDS["b70"][0],
     bandwidth: float = CARDS["b70"][1],
-    utilization: float = 0.9,
-    tokens: int = 4096,
-    cpu_offload_bytes: int = 0,
-    offload_embeddings_only: bool = False,
-    reserve_bytes: int = 0,
-    batches: tuple[int, ...] = (1, 64),
-    cards: int = 1,
-    block_align: int | None = None,
     cache_bytes: int | None = None,
-    batched_tokens: int = 0,
-    max_seqs: int = DEFAULT_MAX_SEQS,
+    weights_per_card: int | None = None,
+    env: Mapping[str, str] | None = None,
+    batches: tuple[int, ...] = (1, 64),
+    block_align: int | None = None,
+    vllm_version: tuple[int, ...] | None = None,
+    non_torch_bytes: int = NON_TORCH_BYTES,
 ) -> Plan:
-    """`cpu_offload_bytes` and `reserve_bytes` are per card, as vLLM's --cpu-offload-gb is;
-    `offload_embeddings_only`: --cpu-offload-params embed_tokens, which offloads nothing: vLLM
-    offloads only parameters of the decoder layers that make_layers builds (v0.31:
-    vllm/model_executor/models/utils.py make_layers, offloader/uva.py wrap_modules), and a
-    model's embed_tokens is built outside them. `block_align`: what the block size of a hybrid
-    model is rounded to; by default XPU's 64 where the model has GDN layers, else vLLM's 16.
-    `cache_bytes`: the cache of each card as vLLM measured it ("Available KV cache memory" in
-    its log), instead of the budget worked out here.
-    `batched_tokens`, `max_seqs`: vLLM's --max-num-batched-tokens and --max-num-seqs, which
-    size its start-up profile (profile_peak_bytes; 0 tokens: none kept back)."""
-    _check_choices(dtype=dtype, kv_dtype=kv_dtype, state_dtype=state_dtype, quant=quant)
+    """The plan of `vllm serve` with `serve`'s flags on a card of `card_bytes`.
+
+    `cache_bytes`: the cache of each card as vLLM measured it ("Available KV cache memory"),
+    instead of the budget worked out here; `weights_per_card`: the weights as vLLM logged them
+    ("Model loading took"); `env`: the runtime's environment (the B70 image's FP8 casts);
+    `tokens`: the length of the requests whose count at once is `requests_fit`."""
+    serve = serve or serveflags.Serve()
     s = parse_shape(cfg)
+    unsure = _unsure_shape(cfg)
+    dtype = _dtype_name(serve.dtype, cfg)
+    q = quant.resolve(cfg, serve.quantization, env)
+    unsure += list(q.unsure)
+    kv_dtype = dtype if serve.kv_cache_dtype == "auto" else (
+        "fp8" if serve.kv_cache_dtype.startswith("fp8") else _dtype_name(serve.kv_cache_dtype, {})
+    )  # fmt: skip
+    conv_dtype = (
+        dtype if serve.mamba_cache_dtype == "auto" else _dtype_name(serve.mamba_cache_dtype, {})
+    )
+    if serve.mamba_ssm_cache_dtype != "auto":
+        state_dtype = _dtype_name(serve.mamba_ssm_cache_dtype, {})
+    elif serve.mamba_cache_dtype != "auto":
+        state_dtype = conv_dtype
+    elif _config_value(cfg, "mamba_ssm_dtype"):  # Qwen3.5's configs: vLLM takes it
+        state_dtype = _dtype_name(str(_config_value(cfg, "mamba_ssm_dtype")), {})
+    else:
+        state_dtype = conv_dtype
+    cards = serve.tensor_parallel_size
     p = count_params(s)
-    weights = weight_bytes(p, quant, dtype)
+    spec = serve.num_speculative_tokens
+    mtp = spec > 0 and "mtp" in (serve.speculative_method or "mtp")
+    draft_layers = 0
+    if mtp:
+        layers = _config_value(cfg, "mtp_num_hidden_layers")
+        draft_layers = layers if isinstance(layers, int) and layers > 0 else 1
+    weights = weight_bytes(p, q.method or "none", dtype, parts=q.parts, bits=q.bits,
+                           fp8_parts=q.fp8_parts, lm_head_bits=q.lm_head_bits)  # fmt: skip
+    weights += draft_layers * _layer_bytes(s, p, dtype) + (
+        _vision_bytes(cfg, dtype) if not serve.language_model_only else 0
+    )
     gdn = gdn_state_bytes(s, state_dtype)
-    conv = conv_state_bytes(s, dtype)
+    conv = conv_state_bytes(s, conv_dtype)
     kv = kv_bytes_per_token(s, kv_dtype)
-    request = gdn + conv + kv * tokens
     paging.split_heads(s, cards)
     per_card = weights // cards  # linear layers, embedding and head are all split over the cards
-    offload = 0 if offload_embeddings_only else min(cpu_offload_bytes, per_card)
-    profile = profile_peak_bytes(s, cards, batched_tokens, max_seqs, dtype)
-    budget = int(utilization * card_bytes) - (per_card - offload) - reserve_bytes - profile
-    budget = budget if cache_bytes is None else cache_bytes
+    offload = 0
+    if serve.cpu_offload_gb and not (
+        serve.cpu_offload_params and set(serve.cpu_offload_params) <= {"embed_tokens"}
+    ):
+        offload = min(int(serve.cpu_offload_gb * GIB), per_card)
+    max_len = serve.max_model_len or _max_position(cfg)
+    tokens = tokens or max_len
+    batched = serve.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
+    seqs = serve.max_num_seqs or DEFAULT_MAX_SEQS
+    profile = profile_peak_bytes(s, cards, batched, seqs, dtype)
+    loaded = per_card - offload if weights_per_card is None else weights_per_card
+    utilization = serve.gpu_memory_utilization
+    kept = loaded + profile + non_torch_bytes  # what is not the cache, on each card
+    given = serve.kv_cache_memory_bytes or cache_bytes
+    available = given if given is not None else int(utilization * card_bytes) - kept
     if block_align is None:
-        block_align = paging.XPU_GDN_ALIGN if s.linear_layers else paging.DEFAULT_ALIGN
-    pages = paging.layout(
-        s, cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[dtype],
-        state_bytes=DTYPE_BYTES[state_dtype], tokens=tokens, available_bytes=budget,
-        align=block_align,
+        block_align = paging.XPU_GDN_ALIGN
+    prefix = serve.enable_prefix_caching is not False
+    mode = serve.mamba_cache_mode or ("align" if prefix and s.linear_layers else "none")
+    if mode == "all":
+        unsure.append("mamba cache mode 'all' is laid out as 'align'")
+    old = vllm_version is not None and vllm_version < NEW_TOKEN_COUNT
+    layout = dict(
+        cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[conv_dtype],
+        state_bytes=DTYPE_BYTES[state_dtype], align=block_align, spec_tokens=spec,
+        draft_layers=draft_layers, align_mode=mode != "none", max_model_len=max_len,
+        min_block=serve.block_size, old_token_count=old,
     )  # fmt: skip
+    pages = paging.layout(s, tokens=tokens, available_bytes=available, **layout)  # type: ignore[arg-type]
+    fits = pages.needed_bytes <= available
+    need = None
+    if given is None:
+        need = (kept + pages.needed_bytes) / card_bytes
+        need = math.ceil(need * 100) / 100 if need <= 1 else None
     per_expert, active = _active_params(s, p)
     scale = weights / p.total if p.total else 0.0
     steps = [
@@ -168,9 +273,39 @@ def plan(
         for batch in batches
     ]
     return Plan(
-        p.total, active, weights, gdn, conv, kv, request, cards, per_card, offload, budget,
-        profile, pages.requests_fit, pages, steps,
+        params=p.total, active_params_per_token=active, weight_bytes=weights,
+        gdn_state_bytes=gdn, conv_state_bytes=conv, kv_bytes_per_token=kv,
+        request_bytes=gdn + conv + kv * tokens, cards=cards, weight_bytes_per_card=loaded,
+        cpu_offload_bytes=offload, available_kv_bytes=available, profile_bytes=profile,
+        requests_fit=pages.requests_fit, block_size=pages.block_size,
+        state_padding=pages.state_padding, kv_cache_tokens=pages.kv_cache_tokens,
+        max_concurrency=pages.max_concurrency, max_model_len=max_len, tokens=tokens, fits=fits,
+        longest_len=pages.longest_len, utilization_needed=need, available_given=given is not None,
+        unsure=unsure, paging=pages, steps=steps,
     )  # fmt: skip
+
+
+def _max_position(cfg: Mapping[str, Any]) -> int:
+    value = _config_value(cfg, "max_position_embeddings")
+    return value if isinstance(value, int) and value > 0 else 4096
+
+
+def _layer_bytes(s: Shape, p: Params, dtype: str) -> int:
+    """One decoder layer with full attention, in `dtype`: what an MTP drafter adds."""
+    per_layer = p.attention // max(s.full_layers, 1) + (p.experts + p.always + p.router) // s.layers
+    return int((per_layer + 2 * s.hidden * s.hidden) * DTYPE_BYTES[dtype])
+
+
+def _vision_bytes(cfg: Mapping[str, Any], dtype: str) -> int:
+    """The vision tower vLLM loads unless --language-model-only: its blocks' attention and MLP."""
+    vision = cfg.get("vision_config")
+    if not isinstance(vision, dict):
+        return 0
+    h, depth = vision.get("hidden_size"), vision.get("depth") or vision.get("num_hidden_layers")
+    inter = vision.get("intermediate_size") or (4 * h if isinstance(h, int) else None)
+    if not (isinstance(h, int) and isinstance(depth, int) and isinstance(inter, int)):
+        return 0
+    return max(0, int(depth * (4 * h * h + 2 * h * inter) * DTYPE_BYTES[dtype]))
 
 
 def _active_params(s: Shape, p: Params) -> tuple[float, int]:
@@ -178,24 +313,7 @@ def _active_params(s: Shape, p: Params) -> tuple[float, int]:
     experts, and of those the ones it is routed to."""
     per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
     routed = int(s.layers * s.experts_per_tok * per_expert)
-    return per_expert, p.attention + p.linear + p.always + p.lm_head + routed
-
-
-def _check_choices(**choices: str) -> None:
-    tables: dict[str, tuple[str, Mapping[str, Any]]] = {
-        "dtype": ("dtype", DTYPE_BYTES),
-        "kv_dtype": ("kv dtype", DTYPE_BYTES),
-        "state_dtype": ("state dtype", DTYPE_BYTES),
-        "quant": ("quantization", QUANT_BITS),
-    }
-    for key, value in choices.items():
-        name, table = tables[key]
-        if value not in table:
-            raise ApplianceError(
-                f"unknown {name} {value!r}",
-                hint="one of: " + ", ".join(sorted(table)),
-                code="plan_input_invalid",
-            )
+    return per_expert, p.attention + p.linear + p.always + p.router + p.lm_head + routed
 
 
 def decode_step(
@@ -210,7 +328,7 @@ def decode_step(
 ) -> dict[str, float]:
     """One memory-bound decode step of `batch` requests: the bytes it reads, and its speed."""
     touched = s.layers * distinct_experts(s.experts, s.experts_per_tok, batch) * per_expert
-    read = (p.attention + p.linear + p.always + p.lm_head + touched) * scale
+    read = (p.attention + p.linear + p.always + p.router + p.lm_head + touched) * scale
     read += batch * (2 * gdn + kv_per_request)  # each request's GDN state read and written, KV read
     step_s = read / bandwidth
     return {
@@ -221,8 +339,7 @@ def decode_step(
     }
 
 
-def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
-    """`b70ctl plan`: a Hugging Face config.json and the command's options."""
+def read_config(path: Path) -> dict[str, Any]:
     try:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -231,50 +348,47 @@ def plan_file(path: Path, options: Mapping[str, Any]) -> Plan:
         ) from None
     if not isinstance(cfg, dict):
         raise ApplianceError(f"{path}: not a JSON object", code="plan_input_invalid")
-    check_plan_inputs(options["utilization"], options["tokens"])
-    check_sizes(options)
-    card_bytes, bandwidth = CARDS[options["card"]]
-    if options["card_gib"] is not None:
-        card_bytes = int(options["card_gib"] * GIB)
-    if options["bandwidth_gbs"] is not None:
-        bandwidth = options["bandwidth_gbs"] * 1e9
-    return plan(
-        cfg,
-        dtype=options["dtype"],
-        quant=options["quant"],
-        kv_dtype=options["kv_dtype"],
-        state_dtype=options["state_dtype"],
-        card_bytes=card_bytes,
-        bandwidth=bandwidth,
-        utilization=options["utilization"],
-        tokens=options["tokens"],
-        cpu_offload_bytes=int(options["cpu_offload_gib"] * GIB),
-        offload_embeddings_only=options.get("offload_params") == "embed_tokens",
-        reserve_bytes=int(options["reserve_gib"] * GIB),
-        batches=tuple(options["batches"]) or (1, 64),
-        cards=options.get("cards", 1),
-        block_align=options.get("block_align"),
-        cache_bytes=int(cache_gib * GIB) if (cache_gib := options.get("kv_cache_gib")) else None,
-        batched_tokens=options.get("batched_tokens", DEFAULT_BATCHED_TOKENS),
-        max_seqs=options.get("max_seqs", DEFAULT_MAX_SEQS),
-    )
+    return cfg
 
 
-def check_plan_inputs(utilization: float, tokens: int) -> None:
-    if not 0 < utilization <= 1:
+def parse_version(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    parts = text.strip().lstrip("v").split(".")
+    try:
+        return tuple(int(p) for p in parts[:2])
+    except ValueError:
         raise ApplianceError(
-            f"--utilization {utilization} must be in (0, 1]", code="plan_input_invalid"
-        )
-    if tokens < 1:
-        raise ApplianceError(f"--tokens {tokens} must be at least 1", code="plan_input_invalid")
+            f"--vllm-version {text!r} is not a version such as 0.19 or 0.31",
+            code="plan_input_invalid",
+        ) from None
+
+
+def plan_options(cfg: Mapping[str, Any], serve: serveflags.Serve, options: Mapping[str, Any],
+                 env: Mapping[str, str] | None = None) -> Plan:  # fmt: skip
+    """`b70ctl plan`'s own options around vLLM's flags."""
+    check_sizes(options)
+    card_bytes, bandwidth = CARDS[options.get("card") or "b70"]
+    if options.get("card_gib") is not None:
+        card_bytes = int(options["card_gib"] * GIB)
+    if options.get("bandwidth_gbs") is not None:
+        bandwidth = options["bandwidth_gbs"] * 1e9
+    cache = options.get("kv_cache_gib")
+    weights = options.get("weights_gib")
+    return plan(
+        cfg, serve, tokens=options.get("tokens"), card_bytes=card_bytes, bandwidth=bandwidth,
+        cache_bytes=int(cache * GIB) if cache else None,
+        weights_per_card=int(weights * GIB) if weights is not None else None,
+        env=env, batches=tuple(options.get("batches") or ()) or (1, 64),
+        vllm_version=parse_version(options.get("vllm_version")),
+    )  # fmt: skip
 
 
 def check_sizes(options: Mapping[str, Any]) -> None:
-    """Memory sizes and bandwidths above zero (offload and reserve may be zero), batches of 1+."""
+    """Memory sizes and bandwidths above zero, batches and tokens of 1 or more."""
     for key, flag, zero_ok in (
         ("card_gib", "--card-gib", False), ("bandwidth_gbs", "--bandwidth-gbs", False),
-        ("kv_cache_gib", "--kv-cache-gib", False), ("cpu_offload_gib", "--cpu-offload-gib", True),
-        ("reserve_gib", "--reserve-gib", True),
+        ("kv_cache_gib", "--kv-cache-gib", False), ("weights_gib", "--weights-gib", True),
     ):  # fmt: skip
         value = options.get(key)
         if value is not None and not (value >= 0 if zero_ok else value > 0):
@@ -283,10 +397,6 @@ def check_sizes(options: Mapping[str, Any]) -> None:
     for batch in options.get("batches") or ():
         if batch < 1:
             raise ApplianceError(f"--batch {batch} must be at least 1", code="plan_input_invalid")
-    for key, flag, lowest in (("batched_tokens", "--max-num-batched-tokens", 0),
-                              ("max_seqs", "--max-num-seqs", 1)):  # fmt: skip
-        count = options.get(key)
-        if count is not None and count < lowest:
-            raise ApplianceError(
-                f"{flag} {count} must be {lowest} or more", code="plan_input_invalid"
-            )
+    tokens = options.get("tokens")
+    if tokens is not None and tokens < 1:
+        raise ApplianceError(f"--tokens {tokens} must be at least 1", code="plan_input_invalid")

@@ -21,9 +21,16 @@ Read from vLLM's v1 engine (vllm-project/vllm, 2025-2026):
   it holds available // page // group size blocks (`get_num_blocks`), one of them kept as the
   block pool's null block.
 - A request takes, in each attention group, one block per block size of tokens, and in each GDN
-  group one block, without prefix caching or speculative decoding (`MambaManager`,
-  v1/core/single_type_kv_cache_manager.py), as vLLM's "Maximum concurrency" line counts them
-  (`get_max_concurrency_for_kv_cache_config`).
+  group one block, plus one for each speculative token, plus one more in prefix caching's
+  `align` mode (`MambaSpec.max_memory_usage_bytes`, v1/kv_cache_interface.py), as vLLM's
+  "Maximum concurrency" line counts them: the blocks over the blocks of one request of the max
+  model length (`get_max_concurrency_for_kv_cache_config`). Its "GPU KV cache size" is that
+  concurrency times the max model length, since vLLM 0.20 (PR #40694, for issue #40691); before
+  it, blocks over groups times the block size.
+- Speculative decoding's tokens widen the conv state (`kernel - 1 + num_speculative_tokens`
+  rows) and an MTP drafter adds its own attention layer; a user's `--block-size` above the
+  kernel's alignment becomes the alignment (`Platform._align_hybrid_block_size`,
+  vllm/platforms/interface.py).
 - KV heads are split over the cards, at least one each (replicated beyond their count:
   `ModelConfig.get_num_kv_heads`); GDN heads must split evenly.
 """
@@ -61,17 +68,26 @@ class Paging:
     group_size: int  # layers per group
     attention_groups: int
     state_groups: int
-    blocks_per_request: int
+    padding_layers: int  # empty places in the last group of each type
+    blocks_per_request: int  # for a request of `tokens`
     bytes_per_request: int  # on one card
     available_bytes: int  # for the cache, on one card
     blocks: int
-    requests_fit: int
+    requests_fit: int  # of `tokens`, the block pool's null block kept aside
+    max_model_len: int
+    blocks_per_max_len: int  # what vLLM counts a request of the max model length as
+    max_concurrency: float  # vLLM's "Maximum concurrency for N tokens per request"
+    kv_cache_tokens: int  # vLLM's "GPU KV cache size: N tokens"
+    needed_bytes: int  # the cache one request of the max model length needs
+    longest_len: int  # the longest max model length whose one request fits (0: none)
 
 
 def split_heads(s: Shape, cards: int) -> int:
     """KV heads per card; GDN heads must split evenly over the cards."""
     if cards < 1:
-        raise ApplianceError(f"--cards {cards} must be at least 1", code="plan_input_invalid")
+        raise ApplianceError(
+            f"--tensor-parallel-size {cards} must be at least 1", code="plan_input_invalid"
+        )
     for name, heads in (("linear_num_key_heads", s.lin_k_heads),
                         ("linear_num_value_heads", s.lin_v_heads)):  # fmt: skip
         if s.linear_layers and heads % cards:
@@ -85,29 +101,54 @@ def split_heads(s: Shape, cards: int) -> int:
 
 def layout(
     s: Shape, *, cards: int, kv_bytes: float, conv_bytes: float, state_bytes: float,
-    tokens: int, available_bytes: int, align: int = DEFAULT_ALIGN,
+    tokens: int, available_bytes: int, align: int = DEFAULT_ALIGN, spec_tokens: int = 0,
+    draft_layers: int = 0, align_mode: bool = False, max_model_len: int | None = None,
+    min_block: int | None = None, old_token_count: bool = False,
 ) -> Paging:  # fmt: skip
-    """The layout of one card's cache, and the requests of `tokens` tokens that it holds."""
+    """The layout of one card's cache, and the requests of `tokens` tokens that it holds.
+    `draft_layers`: attention layers a drafter adds (MTP: one); `align_mode`: prefix caching's
+    mamba `align` mode; `min_block`: the user's --block-size."""
     if align < 1:
         raise ApplianceError(f"--block-align {align} must be at least 1", code="plan_input_invalid")
     kv_heads = split_heads(s, cards)
     per_token = int(kv_heads * 2 * s.head_dim * kv_bytes)
     conv_dim = 2 * s.lin_k_heads * s.lin_k_dim + s.lin_v_heads * s.lin_v_dim
-    state = int((s.conv_kernel - 1) * conv_dim // cards * conv_bytes) + int(
+    state = int((s.conv_kernel - 1 + spec_tokens) * (conv_dim // cards) * conv_bytes) + int(
         s.lin_v_heads // cards * s.lin_v_dim * s.lin_k_dim * state_bytes
     )
-    if s.linear_layers and s.full_layers:
-        block = align * math.ceil(state / (align * per_token))
+    full = s.full_layers + draft_layers
+    step = max(align, min_block or 0)
+    if s.linear_layers and full:
+        block = step * math.ceil(state / (step * per_token))
+        if align == XPU_GDN_ALIGN:
+            block = XPU_GDN_ALIGN * math.ceil(block / XPU_GDN_ALIGN)
+        block = max(block, min_block or 0)
     else:
-        block = align
-    page = block * per_token if s.full_layers else state
-    counts = [n for n in (s.full_layers, s.linear_layers) if n]
+        block = min_block or align
+    page = block * per_token if full else state
+    counts = [n for n in (full, s.linear_layers) if n]
     small, large = min(counts), max(counts)
     group = large if large < 1.5 * small else small
-    attention_groups = math.ceil(s.full_layers / group)
+    attention_groups = math.ceil(full / group)
     state_groups = math.ceil(s.linear_layers / group)
-    per_request = attention_groups * math.ceil(tokens / block) + state_groups
-    blocks = max(available_bytes, 0) // page // group if page else 0
+    padding = sum(group - n % group for n in counts if n % group)
+    per_state = (2 if align_mode else 1) + spec_tokens
+    length = max_model_len or tokens
+    per_request = attention_groups * math.ceil(tokens / block) + state_groups * per_state
+    per_max_len = attention_groups * math.ceil(length / block) + state_groups * per_state
+    blocks = max(available_bytes, 0) // (page * group) if page else 0
+    concurrency = blocks / per_max_len if per_max_len else 0.0
+    # One request of length L needs (attention groups x ceil(L / block) + the state's blocks)
+    # blocks of group x page bytes: the longest L that fits, in whole attention blocks.
+    whole = (max(available_bytes, 0) // (page * group) if page else 0) - state_groups * per_state
+    if attention_groups:
+        longest = (whole // attention_groups) * block if whole > 0 else 0
+    else:  # the state alone: a request of any length takes the same blocks
+        longest = length if whole >= 0 and page else 0
+    if old_token_count:
+        held = blocks // (attention_groups + state_groups) * block
+    else:
+        held = int(concurrency * length)
     return Paging(
         cards=cards,
         kv_heads_per_card=kv_heads,
@@ -119,9 +160,16 @@ def layout(
         group_size=group,
         attention_groups=attention_groups,
         state_groups=state_groups,
+        padding_layers=padding,
         blocks_per_request=per_request,
         bytes_per_request=per_request * group * page,
         available_bytes=available_bytes,
         blocks=blocks,
         requests_fit=max(blocks - NULL_BLOCKS, 0) // per_request,
+        max_model_len=length,
+        blocks_per_max_len=per_max_len,
+        max_concurrency=concurrency,
+        kv_cache_tokens=held,
+        needed_bytes=per_max_len * group * page,
+        longest_len=longest,
     )

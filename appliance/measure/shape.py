@@ -139,11 +139,15 @@ class Params:
     attention: int  # every full-attention layer
     linear: int  # every GDN layer
     experts: int  # every routed expert of every layer
-    always: int  # shared experts, routers and dense MLPs: read for every token
+    always: int  # shared experts and dense MLPs: read for every token
+    router: int = 0  # the routers (and the shared experts' gates): never quantized
 
     @property
     def total(self) -> int:
-        return self.embed + self.lm_head + self.attention + self.linear + self.experts + self.always
+        return (
+            self.embed + self.lm_head + self.attention + self.linear + self.experts + self.always
+            + self.router
+        )  # fmt: skip
 
 
 def count_params(s: Shape) -> Params:
@@ -158,9 +162,10 @@ def count_params(s: Shape) -> Params:
     gdn += value_dim * s.hidden  # out_proj
     if s.experts:
         experts = s.layers * s.experts * 3 * s.hidden * s.moe_inter
-        always = s.layers * (3 * s.hidden * s.shared_inter + s.hidden * s.experts + s.hidden)
+        always = s.layers * 3 * s.hidden * s.shared_inter
+        router = s.layers * (s.hidden * s.experts + s.hidden)
     else:
-        experts = 0
+        experts = router = 0
         always = s.layers * 3 * s.hidden * s.dense_inter
     return Params(
         embed=s.vocab * s.hidden,
@@ -169,13 +174,34 @@ def count_params(s: Shape) -> Params:
         linear=s.linear_layers * gdn,
         experts=experts,
         always=always,
+        router=router,
     )
 
 
-def weight_bytes(p: Params, quant: str, dtype: str) -> int:
-    """Quantization applies to the linear layers; embeddings and the head stay in `dtype`."""
-    bits = QUANT_BITS[quant]
+PARTS = ("attention", "linear", "experts", "mlp")  # the linear layers a quantization may cover
+
+
+def part_params(p: Params) -> dict[str, int]:
+    return {"attention": p.attention, "linear": p.linear, "experts": p.experts, "mlp": p.always}
+
+
+def weight_bytes(
+    p: Params, quant: str, dtype: str, *, parts: frozenset[str] = frozenset(PARTS),
+    bits: float | None = None, fp8_parts: frozenset[str] = frozenset(),
+    lm_head_bits: float | None = None,
+) -> int:  # fmt: skip
+    """The model's weights: `parts` quantized at `bits` per weight (scales included; by default
+    QUANT_BITS[quant]), `fp8_parts` at 8 bits, the rest, embeddings and the head in `dtype`."""
     dense = DTYPE_BYTES[dtype]
-    per_linear = bits / 8 if bits is not None else dense
-    linear = p.attention + p.linear + p.experts + p.always
-    return int(linear * per_linear + (p.embed + p.lm_head) * dense)
+    if bits is None:
+        bits = QUANT_BITS.get(quant)
+    total = 0.0
+    for part, n in part_params(p).items():
+        if bits is not None and part in parts:
+            total += n * bits / 8
+        elif part in fp8_parts:
+            total += n
+        else:
+            total += n * dense
+    head = p.lm_head * (lm_head_bits / 8 if lm_head_bits else dense)
+    return int(total + head + (p.embed + p.router) * dense)
