@@ -181,6 +181,7 @@ def test_a_healthy_host_passes_every_check(host: Host) -> None:
         "tp: image",
         "tp: model",
         "tp: host memory",
+        "tp: fits",
     }
     assert len(checks["xe driver"]) == 2
     calls = host.calls.read_text()
@@ -295,6 +296,24 @@ def test_too_little_host_memory_for_the_offload(host: Host) -> None:
     assert "8.0 GiB in all for --cpu-offload-gb 4" in str(check["detail"])
 
 
+def test_a_recipe_that_cannot_hold_one_request_fails_with_its_fix(host: Host) -> None:
+    """The model's config.json is Qwen3.8-27B's; unquantized at 262,144 tokens on two cards it
+    cannot hold one request (the runtime's two cards make it tensor parallel over two); the fix
+    names the longest --max-model-len that fits."""
+    config = Path(__file__).parent / "fixtures" / "b70" / "Qwen-Qwen3.8-27B.json"
+    (host.safetensors.parent / "config.json").write_text(config.read_text())
+    host.text = host.text.replace(
+        'args = ["--cpu-offload-gb", "4"]',
+        'args = ["--cpu-offload-gb", "4", "--max-model-len", "262144", '
+        '"--gpu-memory-utilization", "0.8"]',
+    )
+    check = one_failure(host, "tp: fits")
+    assert "runtimes.tp cannot hold one request of --max-model-len 262144" in str(check["detail"])
+    assert "set --max-model-len " in str(check["fix"])
+    host.text = host.text.replace("262144", "8192")
+    assert host.failed() == {}
+
+
 def test_no_b70_at_all(host: Host, tmp_path: Path) -> None:
     host.root = t.build(tmp_path / "empty", [], [])
     checks = host.failed()
@@ -307,7 +326,7 @@ def test_the_text_report_gives_each_failure_its_fix(host: Host) -> None:
     assert out.returncode == 1
     assert "FAIL tp: host memory: " in out.stdout
     assert "     fix: lower --cpu-offload-gb, or add memory" in out.stdout
-    assert "error: 1 of 14 checks failed: tp: host memory" in out.stderr
+    assert "error: 1 of 15 checks failed: tp: host memory" in out.stderr
     assert "Traceback" not in out.stderr
 
 

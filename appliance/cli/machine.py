@@ -61,8 +61,12 @@ def doctor(ctx: Context, root: Path | None) -> None:
       sudo b70ctl --config /etc/b70/appliance.toml doctor
     """
     from appliance.host import doctor as doctor_mod
+    from appliance.measure import recipe
 
-    checks = doctor_mod.doctor(ctx.config(), gpu_root(root))
+    config = ctx.config()
+    checks = doctor_mod.doctor(config, gpu_root(root)) + recipe.doctor_checks(
+        config, gpu_root(root)
+    )
     doc = {"checks": [vars(c) for c in checks]}
     if not ctx.json:
         output.show(False, doc, lambda: output.render_checks(doc["checks"]))

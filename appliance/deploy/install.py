@@ -32,6 +32,7 @@ from appliance.layout import (
     layout,
 )
 from appliance.switch.lock import writer_lock
+from appliance.switch.preflight import recipe_warnings
 from appliance.switch.recovery import recover_killed
 from appliance.units import systemd
 from appliance.units.render import render_all
@@ -201,6 +202,7 @@ def install(
             for port in sorted({rt.port for rt in config.runtimes.values()}):
                 check_port(sd, runtime_units, port, "backend", config)
         result = _write(config, lay, sd, files, changed, progress)
+        result.notes += recipe_warnings(config)
         if lock.stale is not None:  # a killed switch: settled before anything starts
             done = recover_killed(config, lay, sd, lock.stale, progress, wait=now)
             if done is not None:

@@ -27,7 +27,9 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
             f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
         )
-    verdicts = memory_verdicts(config, target, gpu.snapshot(gpu.sysroot()))
+    snap = gpu.snapshot(gpu.sysroot())
+    notes += recipe_fits(target, snap)
+    verdicts = memory_verdicts(config, target, snap)
     verdict = next((v for v in verdicts if not v.ok), verdicts[0])
     if not verdict.ok:
         raise ApplianceError(
@@ -37,6 +39,38 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
         )
     notes += [f"GPU memory: {v.reason}" for v in dict.fromkeys(verdicts)]
     return notes
+
+
+def on_a_gpu(rt: RuntimeConfig, snap: gpu.Snapshot) -> bool:
+    """Whether a runtime runs on an Intel GPU: the host has one, or the runtime is given one."""
+    return bool(snap.devices) or any(d.startswith("/dev/dri") for d in rt.devices)
+
+
+def recipe_fits(target: RuntimeConfig, snap: gpu.Snapshot) -> list[str]:
+    """A vLLM runtime on a GPU whose recipe cannot hold one request of its max model length is
+    refused here, not after minutes of loading (appliance.measure.recipe); notes otherwise."""
+    if target.engine is not Engine.VLLM or not on_a_gpu(target, snap):
+        return []
+    from appliance.measure import recipe
+
+    fit = recipe.check(target)
+    if fit is None:
+        return []
+    if not fit.ok:
+        raise ApplianceError(fit.detail, hint=fit.fix, code="recipe_does_not_fit")
+    return list(fit.notes)
+
+
+def recipe_warnings(config: Config) -> list[str]:
+    """`install`'s warnings: each vLLM runtime on a GPU whose recipe cannot fit, with the fix."""
+    snap = gpu.snapshot(gpu.sysroot())
+    out = []
+    for rt in sorted(config.runtimes.values(), key=lambda r: r.name):
+        try:
+            recipe_fits(rt, snap)
+        except ApplianceError as e:
+            out.append(f"warning: {e.message}; {e.hint}")
+    return out
 
 
 def memory_verdicts(config: Config, target: RuntimeConfig, snap: gpu.Snapshot) -> list[fit.Verdict]:
