@@ -63,13 +63,15 @@ def executable(path: Path, text: str) -> Path:
 
 class Host:
     """A healthy host: two B70s under xe, kernel 7.1, the render group, by-path links, root's
-    capabilities, 64 GiB, docker that answers and has the image, the models whole."""
+    capabilities, 128 GiB, docker that answers and has the image, the models whole."""
 
     def __init__(
         self, tmp: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
     ) -> None:
         self.monkeypatch, self.capsys = monkeypatch, capsys
-        self.root = t.healthy_host(tmp / "root", ["0000:03:00.0", "0000:07:00.0"])
+        self.root = t.healthy_host(
+            tmp / "root", ["0000:03:00.0", "0000:07:00.0"], memory_kib=128 * 1024**2
+        )
         self.bin = tmp / "bin"
         self.calls = tmp / "calls"
         self.docker = executable(
@@ -312,6 +314,39 @@ def test_a_recipe_that_cannot_hold_one_request_fails_with_its_fix(host: Host) ->
     assert "set --max-model-len " in str(check["fix"])
     host.text = host.text.replace("262144", "8192")
     assert host.failed() == {}
+
+
+def test_tensor_parallel_vllm_wants_host_memory_as_large_as_its_cards(host: Host) -> None:
+    """Two B70s at TP 2 on a 64 GB host: OOM-killed (intel/llm-scaler#672)."""
+    host.write("proc/meminfo", "MemTotal:       67108864 kB\n")
+    check = one_failure(host, "tp: host memory")
+    assert (
+        "64.0 GiB in all for --cpu-offload-gb 4 plus 64 GiB as large as its 2 cards' VRAM"
+        in str(check["detail"])
+    )
+
+
+DPKG = """Package: libze1
+Status: install ok installed
+Version: 1.28.2-1
+
+Package: libze-intel-gpu1
+Status: install ok installed
+Architecture: amd64
+Version: {version}
+Description: Intel(R) Graphics Compute Runtime for oneAPI Level Zero
+ a continuation line: no field
+"""
+
+
+def test_a_compute_runtime_older_than_26_18_fails_with_the_version_to_install(host: Host) -> None:
+    host.write("var/lib/dpkg/status", DPKG.format(version="25.48.36300.8-1"))
+    check = one_failure(host, "compute runtime")
+    assert "libze-intel-gpu1 25.48.36300.8-1 is older than 26.18" in str(check["detail"])
+    assert "compute runtime 26.18 or later" in str(check["fix"])
+    host.write("var/lib/dpkg/status", DPKG.format(version="26.18.38308.1-1"))
+    checks = host.checks()
+    assert checks["compute runtime"][0]["ok"] and not host.failed()
 
 
 def test_no_b70_at_all(host: Host, tmp_path: Path) -> None:

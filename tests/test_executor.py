@@ -43,6 +43,7 @@ class Edges:
         self.then: dict[str, Callable[[], None]] = options.get("then", {})
         self.left: int | None = options.get("left", 0)
         self.unrecorded: str | None = options.get("unrecorded")
+        self.journal_text: str = options.get("journal", "line 1\nline 2")
 
     def call(self, line: str) -> None:
         self.calls.append(line)
@@ -87,7 +88,7 @@ class Edges:
 
     def journal(self, runtime: str, since: float | None) -> str | None:
         self.calls.append(f"journal {runtime}")
-        return "line 1\nline 2"
+        return self.journal_text
 
     def journal_command(self, runtime: str) -> str:
         return f"journalctl -u b70-{runtime}.service"

@@ -24,6 +24,15 @@ from appliance.sizes import GIB
 COLLECTIVES_KERNEL = (7, 1)
 # Host memory vLLM, the proxy and the system need besides the weights offloaded to the CPU.
 ENGINE_HOST_GIB = 8
+# vLLM on XPU with tensor parallelism holds host memory as large as its cards' VRAM
+# (vllm-project/vllm#53822); two B70s at TP 2 had the host OOM-killed with 64 GB
+# (intel/llm-scaler#672).
+CARD_HOST_GIB = 32
+# Intel's compute runtime that vLLM's maintainers recommend for the B70 (vllm-project/vllm#49482),
+# and that owners run tensor parallel on two B70s with (vllm-project/vllm#41663): older ones read
+# free memory as 0 and lose the device.
+COMPUTE_RUNTIME = (26, 18)
+COMPUTE_PACKAGES = ("libze-intel-gpu1", "intel-level-zero-gpu", "intel-opencl-icd")
 Ask = Callable[[Sequence[str]], run.Completed | None]
 
 
@@ -87,6 +96,9 @@ def _cards(config: Config, root: Path) -> Iterator[Check]:
     yield _render_group(config, root)
     yield _by_path(cards, root)
     yield _perfmon(root)
+    runtime = _compute_runtime(config, root)
+    if runtime is not None:
+        yield runtime
 
 
 def _driver(d: Device) -> Check:
@@ -122,6 +134,40 @@ def _kernel(config: Config, root: Path) -> Check:
         )
     use = "several cards in " + ", ".join(multi) if multi else "no runtime on several cards"
     return Check("kernel", True, f"{release} ({use})")
+
+
+def dpkg_versions(text: str) -> dict[str, str]:
+    """Installed packages and their versions, from dpkg's status file."""
+    out = {}
+    for stanza in text.split("\n\n"):
+        fields = dict(
+            line.split(": ", 1) for line in stanza.splitlines() if ": " in line and line[0] != " "
+        )
+        if "Package" in fields and "Version" in fields and "installed" in fields.get("Status", ""):
+            out[fields["Package"]] = fields["Version"]
+    return out
+
+
+def _compute_runtime(config: Config, root: Path) -> Check | None:
+    """The host's compute runtime, which a native runtime uses (an image carries its own)."""
+    if not any(rt.launcher is Launcher.NATIVE for rt in config.runtimes.values()):
+        return None
+    installed = dpkg_versions(read_text(root / "var/lib/dpkg/status") or "")
+    found = next(((p, installed[p]) for p in COMPUTE_PACKAGES if p in installed), None)
+    if found is None:
+        return None
+    package, version = found
+    parsed = kernel_version(version)
+    want = ".".join(map(str, COMPUTE_RUNTIME))
+    if parsed is None or parsed >= COMPUTE_RUNTIME:
+        return Check("compute runtime", True, f"{package} {version}")
+    return Check(
+        "compute runtime",
+        False,
+        f"{package} {version} is older than {want}: B70 owners saw free memory read as 0 and "
+        "the device lost on older ones",
+        f"install Intel's compute runtime {want} or later (vLLM's maintainers recommend it)",
+    )
 
 
 def _render_group(config: Config, root: Path) -> Check:
@@ -363,11 +409,19 @@ def offload_gib(args: Sequence[str]) -> float:
 
 
 def _host_memory(config: Config, root: Path) -> list[Check]:
-    wants = {
-        n: offload_gib(rt.args)
-        for n, rt in sorted(config.runtimes.items())
-        if rt.engine is Engine.VLLM and offload_gib(rt.args) > 0
-    }
+    """Host memory for each vLLM runtime: what it offloads, its cards' VRAM when it is tensor
+    parallel, and the engine and the system."""
+    wants = {}
+    for name, rt in sorted(config.runtimes.items()):
+        cards = len(rt.card_indices)
+        parts = []
+        if rt.engine is Engine.VLLM and offload_gib(rt.args) > 0:
+            parts.append((offload_gib(rt.args), f"--cpu-offload-gb {offload_gib(rt.args):g}"))
+        if rt.engine is Engine.VLLM and cards > 1:
+            parts.append((CARD_HOST_GIB * cards, f"{CARD_HOST_GIB * cards} GiB as large as its "
+                          f"{cards} cards' VRAM (vLLM's tensor parallelism on XPU)"))  # fmt: skip
+        if parts:
+            wants[name] = parts
     if not wants:
         return []
     meminfo = read_text(root / "proc/meminfo") or ""
@@ -376,14 +430,15 @@ def _host_memory(config: Config, root: Path) -> list[Check]:
         return [Check("host memory", False, "cannot read MemTotal from /proc/meminfo", None)]
     total = int(match.group(1)) * 1024 / GIB
     out = []
-    for name, gib in wants.items():
-        need = gib + ENGINE_HOST_GIB
+    for name, parts in wants.items():
+        need = sum(gib for gib, _ in parts) + ENGINE_HOST_GIB
         ok = total >= need
+        what = " plus ".join(label for _, label in parts)
         out.append(
             Check(
                 f"{name}: host memory",
                 ok,
-                f"{total:.1f} GiB in all for --cpu-offload-gb {gib:g} plus {ENGINE_HOST_GIB} GiB "
+                f"{total:.1f} GiB in all for {what} plus {ENGINE_HOST_GIB} GiB "
                 f"for the engine and the system ({need:g} GiB)",
                 None if ok else "lower --cpu-offload-gb, or add memory",
             )

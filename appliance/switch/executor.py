@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from appliance.config import Config
 from appliance.errors import ApplianceError
 from appliance.hold import Mark
+from appliance.host import failures
 from appliance.layout import Layout, runtime_unit
 from appliance.switch import plans
 from appliance.switch.edges import SystemEdges
@@ -292,6 +293,9 @@ class Executor:
         target = self.target
         journal = self.edges.journal(target, self.started_at)
         reason = f"switch to {target} failed: {failure.message}"
+        found = failures.diagnose(journal)
+        if found is not None:
+            reason += "\n  " + failures.one_line(*found, runtime=target)
         if journal:
             tail = "\n".join("    " + line for line in journal.splitlines()[-12:])
             reason += f"\n  last lines of {runtime_unit(target)}:\n{tail}"
