@@ -21,6 +21,7 @@ It takes each runtime's real flags (examples/b70.toml's), and:
   1455 tok/s (the seed measured 1420-1510 tok/s at 64 users) and llama.cpp's one slot 13.8 ms
   (69.7-75.7 tok/s measured); B70_STANDIN_TOKEN_SCALE scales it;
 - writes the engine's real start-up lines (appliance.measure.startlog) and metric names;
+- with B70_STANDIN_TRACE=1 logs each request it is sent (its path, client and max_tokens);
 - with B70_STANDIN_FAIL=NAME prints a real B70 failure's lines (appliance.host.failures) where
   the engine printed them, and exits 1.
 """
@@ -81,15 +82,19 @@ def log(line: str) -> None:
 
 @dataclass
 class Holding:
-    """This process's VRAM on a fixture B70: its /proc entry and the render node's used bytes."""
+    """This process's VRAM on a fixture B70: its /proc entry with DRM fdinfo and the render
+    node's used bytes. Written into the tree itself (B70_SYSROOT), or, where the process cannot
+    write there (a runtime unit's sandbox), told to the `Driver` at B70_STANDIN_DRIVER."""
 
     root: Path | None
     slot: str = gpu_trees.B70
     render: str = "renderD128"
     held: int = 0
+    driver: str | None = None  # host:port
 
     @classmethod
     def find(cls) -> Holding:
+        driver = os.environ.get("B70_STANDIN_DRIVER")
         root = os.environ.get("B70_SYSROOT")
         if not root:
             return cls(None)
@@ -98,24 +103,46 @@ class Holding:
         if node is None or not node.is_file():  # not a fixture tree: nothing to show
             return cls(None)
         slot = _slot_of(base, node.name) or gpu_trees.B70
-        return cls(base, slot, node.name)
+        return cls(base, slot, node.name, driver=driver)
 
     def hold(self, nbytes: int, cmdline: list[str]) -> None:
         if self.root is None:
             return
         nbytes = nbytes // 1024 * 1024  # fdinfo counts KiB
-        with _tree_lock(self.root):
-            _add_used(self.root / "dev" / "dri" / self.render, nbytes - self.held)
-            d = self.root / "proc" / str(os.getpid())
-            if not d.exists():
-                cgroup = _own_cgroup()
-                gpu_trees.add_proc(self.root, gpu_trees.Proc(os.getpid(), cmdline, cgroup, []))
-                os.symlink(f"/dev/dri/{self.render}", d / "fd" / "9")
-            client = gpu_trees.Client(
-                9, self.slot, os.getpid(), f"{nbytes // 1024} KiB", self.render
+        claim = {"pid": os.getpid(), "bytes": nbytes, "cmdline": cmdline, "cgroup": _own_cgroup(),
+                 "slot": self.slot, "render": self.render}  # fmt: skip
+        if self.driver:
+            import urllib.request
+
+            request = urllib.request.Request(
+                f"http://{self.driver}/hold", json.dumps(claim).encode(), method="POST"
             )
-            _write(d / "fdinfo" / "9", gpu_trees.fdinfo_text(client))
-            self.held = nbytes
+            urllib.request.urlopen(request, timeout=10).close()
+        else:
+            record(self.root, claim)
+        self.held = nbytes
+
+
+def record(root: Path, claim: dict[str, Any]) -> None:
+    """A process's VRAM, as the kernel would show it: its /proc entry, the render node's used."""
+    pid, nbytes, render = int(claim["pid"]), int(claim["bytes"]), str(claim["render"])
+    with _tree_lock(root):
+        d = root / "proc" / str(pid)
+        before = 0
+        if (d / "fdinfo" / "9").exists():
+            before = _held_in(d)
+        else:
+            proc = gpu_trees.Proc(pid, list(claim["cmdline"]), str(claim["cgroup"]), [])
+            gpu_trees.add_proc(root, proc)
+            os.symlink(f"/dev/dri/{render}", d / "fd" / "9")
+        _add_used(root / "dev" / "dri" / render, nbytes - before)
+        client = gpu_trees.Client(9, str(claim["slot"]), pid, f"{nbytes // 1024} KiB", render)
+        _write(d / "fdinfo" / "9", gpu_trees.fdinfo_text(client))
+
+
+def _held_in(d: Path) -> int:
+    text = (d / "fdinfo" / "9").read_text()
+    return int(text.split("drm-resident-vram0:\t")[1].split(" KiB")[0]) * 1024
 
 
 def _slot_of(root: Path, render: str) -> str | None:
@@ -171,13 +198,24 @@ def _add_used(node: Path, delta: int) -> None:
 
 class Driver(threading.Thread):
     """The kernel's part: the VRAM of a stand-in whose process has gone is freed `release_s`
-    later (its /proc entry removed, the render node's used bytes lowered)."""
+    later (its /proc entry removed, the render node's used bytes lowered). With `listen`, it
+    also takes stand-ins' claims over HTTP on loopback (`address`: B70_STANDIN_DRIVER), for
+    stand-ins whose sandbox cannot write the tree."""
 
-    def __init__(self, root: Path, release_s: float = 1.0) -> None:
+    def __init__(self, root: Path, release_s: float = 1.0, listen: bool = False) -> None:
         super().__init__(daemon=True)
         self.root, self.release_s = root, release_s
         self.stopping = threading.Event()
         self.gone: dict[int, float] = {}
+        self.server: Any = None
+        if listen:
+            self.server = _claims_server(root)
+            threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @property
+    def address(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"{host}:{port}"
 
     def run(self) -> None:
         while not self.stopping.wait(0.1):
@@ -198,8 +236,7 @@ class Driver(threading.Thread):
     def free(self, d: Path) -> None:
         import shutil
 
-        text = (d / "fdinfo" / "9").read_text()
-        held = int(text.split("drm-resident-vram0:\t")[1].split(" KiB")[0]) * 1024
+        held = _held_in(d)
         render = os.readlink(d / "fd" / "9").rsplit("/", 1)[1]
         with _tree_lock(self.root):
             _add_used(self.root / "dev" / "dri" / render, -held)
@@ -207,7 +244,27 @@ class Driver(threading.Thread):
 
     def stop(self) -> None:
         self.stopping.set()
-        self.join()
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+        if self.is_alive():
+            self.join()
+
+
+def _claims_server(root: Path) -> Any:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Claims(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            record(root, json.loads(self.rfile.read(length)))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer(("127.0.0.1", 0), Claims)
 
 
 def _alive(pid: int) -> bool:
@@ -359,6 +416,11 @@ def app(e: Engine) -> Any:
 
     async def generate(request: Request) -> Response:
         body = await request.json()
+        if os.environ.get("B70_STANDIN_TRACE"):
+            log(
+                f"request {request.url.path} from {request.headers.get('user-agent')} "
+                f"max_tokens={body.get('max_tokens')}"
+            )
         chat = request.url.path.endswith("/chat/completions")
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         prompt = json.dumps(body.get("messages") or body.get("prompt") or "")

@@ -18,6 +18,12 @@ at the start):
 Both hold a request up to 900 s (`[proxy] hold_s`); a request that gets an error is failed, a
 stream that ends without its finish reason is cut.
 
+With `--b70 SCALE` the appliance is examples/b70.toml's on the B70 stand-in
+(b70tools.b70_engine, b70tools.b70_appliance) on a fixture B70: llama.cpp serving `qwen-gguf`
+and vLLM `qwen-vllm`, each start as long as a B70's (vLLM's about 263 s, llama.cpp's about 25 s)
+times SCALE, each answer at the seed's time per token, the memory one frees taking a second to
+come back (b70_engine.Driver); requests ask 64 tokens.
+
 Prints, per policy: the swaps (switch records made during the run), p50 and p95 latency per
 model, completion tokens per second over the run, failed and cut requests; and the ratio of
 swaps. `--trace FILE` replays a trace of one's own instead (JSON lines, `--write-trace` writes
@@ -42,6 +48,8 @@ from b70tools.net import free_port
 
 CACHE = os.environ.get("B70_CACHE", str(Path.home() / ".cache" / "b70"))
 MODELS = {"smollm2": "llamacpp", "smollm2-vllm": "vllm"}
+B70_MODELS = {"qwen-gguf": "llamacpp", "qwen-vllm": "vllm"}
+B70_TOKENS = 64
 HOLD_S = 900
 POLICIES = {
     "fcfs": "fcfs = true\n",
@@ -80,13 +88,13 @@ class Run:
     wall_s: float = 0.0
 
 
-def one(client: Any, outcome: Outcome) -> None:
+def one(client: Any, outcome: Outcome, max_tokens: int = 16) -> None:
     start = time.monotonic()
     try:
         stream = client.chat.completions.create(
             model=outcome.model,
             messages=[{"role": "user", "content": "Say hi in a few words."}],
-            max_tokens=16,
+            max_tokens=max_tokens,
             temperature=0,
             stream=True,
             stream_options={"include_usage": True},
@@ -122,12 +130,62 @@ def history(demo: Demo) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def replay(policy: str, requests: list[tuple[float, str]], log: Any) -> Run:
+def b70_appliance(policy: str, scale: float) -> Any:
+    """The stand-in's appliance on a fixture B70, for `policy`, with the driver that frees
+    memory after a runtime has gone (beside the models, not under /tmp: the runtime units have
+    a private /tmp)."""
+    import contextlib
+    import shutil
+    import tempfile
+
+    from b70tools import b70_engine, gpu_trees
+    from b70tools.b70_appliance import standin_text
+
+    @contextlib.contextmanager
+    def made() -> Any:
+        where = Path(tempfile.mkdtemp(prefix=f"bench-demand-{policy}-", dir=CACHE))
+        tree = gpu_trees.healthy_host(where / "sysroot", [gpu_trees.B70])
+        driver = b70_engine.Driver(tree, release_s=1.0, listen=True)
+        driver.start()
+        names = {"llamacpp": ("qwen-gguf", 0), "vllm": ("qwen-vllm", free_port())}
+
+        def edit(text: str) -> str:
+            import tomllib
+
+            doc = tomllib.loads(text)
+            proxy, backend = doc["proxy"]["port"], doc["backend"]["port"]
+            monitor = doc["monitor"]["port"]
+            ports = {"llamacpp": ("qwen-gguf", backend), "vllm": names["vllm"]}
+            return standin_text(proxy, backend, monitor, where / "models", scale, names=ports) + (
+                f"\n[switching]\non_demand = true\n{POLICIES[policy]}"
+            ).replace("hold_s = 900", f"hold_s = {HOLD_S}")
+
+        env = {"B70_SYSROOT": str(tree), "B70_STANDIN_DRIVER": driver.address}
+        try:
+            with demo_appliance(
+                CACHE, prefix=f"b70-demand-{policy}.", rewrite=edit, manager_env=env
+            ) as demo:
+                yield demo
+        finally:
+            driver.stop()
+            shutil.rmtree(where, ignore_errors=True)
+
+    return made()
+
+
+def replay(
+    policy: str, requests: list[tuple[float, str]], log: Any, b70_scale: float | None = None
+) -> Run:
     import openai
 
     run = Run(policy)
     edit = lambda text: configure(text, policy)  # noqa: E731
-    with demo_appliance(CACHE, prefix=f"b70-demand-{policy}.", rewrite=edit) as demo:
+    if b70_scale is not None:
+        made = b70_appliance(policy, b70_scale)
+    else:
+        made = demo_appliance(CACHE, prefix=f"b70-demand-{policy}.", rewrite=edit)
+    tokens = B70_TOKENS if b70_scale is not None else 16
+    with made as demo:
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{demo.proxy_port}/v1", api_key=demo.key, max_retries=0
         )
@@ -138,7 +196,7 @@ def replay(policy: str, requests: list[tuple[float, str]], log: Any) -> Run:
             time.sleep(max(0.0, t0 + at - time.monotonic()))
             outcome = Outcome(model, time.monotonic() - t0)
             run.outcomes.append(outcome)
-            thread = threading.Thread(target=one, args=(client, outcome), daemon=True)
+            thread = threading.Thread(target=one, args=(client, outcome, tokens), daemon=True)
             thread.start()
             threads.append(thread)
         for thread in threads:
@@ -235,8 +293,18 @@ def main() -> None:
     parser.add_argument("--write-trace", type=Path, help="write the trace here (JSON lines)")
     parser.add_argument("--policies", default="fcfs,policy")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--b70", type=float, metavar="SCALE",
+        help="on the B70 stand-in, its times scaled by SCALE (0.1: a vLLM start of 26 s)",
+    )  # fmt: skip
     args = parser.parse_args()
-    gaps = {"smollm2": args.gap_llamacpp, "smollm2-vllm": args.gap_vllm}
+    if args.b70 is not None:
+        if not 0 < args.b70 <= 1:
+            raise SystemExit("--b70: a scale above 0 and at most 1")
+        MODELS.clear()
+        MODELS.update(B70_MODELS)
+    first, second = list(MODELS)
+    gaps = {first: args.gap_llamacpp, second: args.gap_vllm}
     requests = read_trace(args.trace) if args.trace else trace(args.seed, args.duration, gaps)
     if args.write_trace:
         lines = [json.dumps({"at": round(at, 3), "model": model}) for at, model in requests]
@@ -251,7 +319,8 @@ def main() -> None:
             raise SystemExit(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
     figures = []
     for policy in policies:
-        figures.append(summary(replay(policy, requests, lambda m: print(m, flush=True))))
+        log = lambda m: print(m, flush=True)  # noqa: E731
+        figures.append(summary(replay(policy, requests, log, args.b70)))
     print(show(figures))
     if args.json:
         args.json.write_text(json.dumps({"trace": name, "figures": figures}, indent=1))

@@ -64,17 +64,24 @@ def demo_appliance(
     threads: int = 2,
     b70ctl: str = B70CTL,
     rewrite: Callable[[str], str] | None = None,
+    manager_env: dict[str, str] | None = None,
 ) -> Iterator[Demo]:
     """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML; with
     `key_from`, that proxy.env's key (a fleet shares one); llama-server on `threads` threads
     (two boxes on one 2-core machine want 1 each: llama.cpp's threads spin while they wait for
     each other, and two servers of 2 threads on 2 cores slow each other to a crawl); `b70ctl`
-    installs it, and its units run that one; `rewrite`, the config's text as it is written."""
+    installs it, and its units run that one; `rewrite`, the config's text as it is written;
+    `manager_env`, more of the manager's environment, which its units and b70ctl see."""
     root = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
     subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)
     for line in (root / "mgr" / "env").read_text().splitlines():
         key, value = line.removeprefix("export ").split("=", 1)
+        env[key] = value
+    for key, value in (manager_env or {}).items():
+        subprocess.run(
+            ["systemctl", "--user", "set-environment", f"{key}={value}"], env=env, check=True
+        )
         env[key] = value
     proxy_port, backend_port = free_port(), free_port()
     config = root / "appliance.toml"

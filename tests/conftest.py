@@ -349,11 +349,12 @@ def appliance_on_cards(
     root: Path,
     slots: list[str],
     text: Callable[[int, int], str],
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | Callable[[Path], dict[str, str]] | None = None,
 ) -> Iterator[Appliance]:
     """An appliance installed under a private user manager on a fixture tree of B70s at `slots`,
     its config `text(proxy_port, backend_port)`; uninstalled, the manager stopped, after.
-    `env`: more of the manager's environment, which its units and b70ctl see."""
+    `env`: more of the manager's environment, which its units and b70ctl see (or what makes it
+    from the tree)."""
     require_real_parts()
     # Beside the models, not under /tmp: each runtime unit has a private /tmp, and its GPU-memory
     # guard (ExecStartPre=) reads the cards from this tree.
@@ -364,7 +365,8 @@ def appliance_on_cards(
     try:
         with running_manager(root / "manager") as manager:
             # The units' GPU-memory guards and b70ctl read the fixture cards.
-            for key, value in {"B70_SYSROOT": str(tree), **(env or {})}.items():
+            more = env(tree) if callable(env) else env or {}
+            for key, value in {"B70_SYSROOT": str(tree), **more}.items():
                 manager.systemctl("set-environment", f"{key}={value}")
                 manager.env[key] = value
             config = root / "appliance.toml"

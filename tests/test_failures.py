@@ -23,6 +23,15 @@ def test_each_failure_is_named_by_its_own_lines(known: failures.Known) -> None:
     assert known.source.startswith("https://")
 
 
+def test_journalctls_short_iso_lines_are_read_too() -> None:
+    line = (
+        "2026-12-03T22:44:54+0000 vm b70-vllm[3818]: level_zero backend failed with error: 39 "
+        "[UR_RESULT_ERROR_OUT_OF_DEVICE_MEMORY]"
+    )
+    found = failures.diagnose(line)
+    assert found is not None and found[1].startswith("level_zero backend failed")
+
+
 def test_output_without_a_known_failure_names_none() -> None:
     assert failures.diagnose("INFO starting\nERROR something else went wrong\n") is None
     assert failures.diagnose(None) is None

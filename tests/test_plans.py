@@ -159,6 +159,23 @@ def test_policy_restarts_a_hung_runtime_then_fails_over() -> None:
     )
 
 
+def test_a_busy_runtime_whose_probe_waits_its_turn_is_not_taken_for_a_hang() -> None:
+    """Every place of a B70's vLLM runs (64, minutes each): the probe completion waits past its
+    timeout while the runtime goes on generating. That is busy, not hung; a runtime whose
+    tokens stop, or whose /health does not answer, is."""
+    from dataclasses import replace
+
+    def busy(generated: float, detail: str = "probe completion: timed out") -> Observation:
+        return replace(obs(healthy=False), detail=detail, generated=generated)
+
+    going = [obs(), busy(100), busy(900), busy(1700), busy(2500)]
+    assert run_policy(going) == [None] * 5
+    stuck = [obs(), busy(100), busy(100), busy(100)]
+    assert [a.kind if a else None for a in run_policy(stuck)] == [None, None, "restart", None]
+    no_health = [obs(), busy(100, "/health: timed out"), busy(900, "/health: timed out")]
+    assert [a.kind if a else None for a in run_policy(no_health)] == [None, None, "restart"]
+
+
 def test_policy_forgets_failures_once_healthy_and_waits_while_starting() -> None:
     sick = obs(healthy=False)
     assert (

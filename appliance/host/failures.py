@@ -12,7 +12,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-JOURNAL_PREFIX = re.compile(r"^\w{3} \d{1,2} [\d:]{8} \S+ [^:\s]+(\[\d+\])?: ")
+# journalctl's short and short-iso forms: "Dec 03 22:01:00 host unit[pid]: ", and
+# "2026-12-03T22:01:00+0000 host unit[pid]: "
+JOURNAL_PREFIX = re.compile(
+    r"^(\w{3} \d{1,2} [\d:]{8}|\d{4}-\d\d-\d\dT[\d:]{8}(\.\d+)?([+-]\d{4}|Z))"
+    r" \S+ [^:\s]+(\[\d+\])?: "
+)
 PROCESS_PREFIX = re.compile(r"^\((EngineCore|APIServer|EngineCore_DP\d+|Worker\S*) pid=\d+\) ")
 MOST_QUOTED = 220
 

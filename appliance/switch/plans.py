@@ -148,6 +148,7 @@ class Memory:
     started_at: float = field(default_factory=time.time)
     hold_until: float = 0.0  # after a failed failover: observe only, until then
     unsaved: str | None = None  # why the monitor's record could not be written, while it cannot
+    generated: float | None = None  # the runtime's generated tokens at the last sample
 
 
 @dataclass(frozen=True)
@@ -180,9 +181,16 @@ def judge(
     if o.active_state != "active":  # starting, or systemd is restarting it: wait, and count anew
         m.failures = 0
         return None
+    progressed = o.generated is not None and m.generated is not None and o.generated > m.generated
+    m.generated = o.generated
     if o.healthy:
         m.failures = 0
         m.restarts = 0
+        return None
+    if progressed and o.detail.startswith("probe completion"):
+        # Busy, not hung: every place runs (64 on a B70's vLLM, minutes each), so the probe
+        # waits its turn past its timeout, while the runtime goes on generating.
+        m.failures = 0
         return None
     m.failures += 1
     m.last_failure = {"at": o.at, "runtime": o.runtime, "reason": o.detail}
