@@ -116,10 +116,6 @@ class Plan:
     paging: paging.Paging
     steps: list[dict[str, float]]
 
-    @property
-    def budget_bytes(self) -> int:  # the name `--compare` and older callers use
-        return self.available_kv_bytes
-
 
 # vLLM on one Arc Pro B70 sees 30.3 GiB: Intel's runtime reports "usable global mem = 30.3 GiB"
 # (clinfo), and a B70 owner's log puts "util 0.85 = 25.75 GiB of 30.3 GiB card"

@@ -71,7 +71,7 @@ def compare(plan: Any, at_max_len: Any, labels: dict[str, str], max_len: int | N
     rows = []
     reported = {k: number(labels, k) for k in labels}
     if (cache := reported.get("kv_cache_memory_bytes")) is not None:
-        rows.append(Row("cache on each card, GiB", plan.budget_bytes / GIB, cache / GIB))
+        rows.append(Row("cache on each card, GiB", plan.available_kv_bytes / GIB, cache / GIB))
     if (block := reported.get("block_size")) is not None:
         rows.append(Row("block size (tokens)", g.block_size, block))
     if (blocks := reported.get("num_gpu_blocks")) is not None:
