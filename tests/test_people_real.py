@@ -147,10 +147,14 @@ def test_a_key_over_its_limit_gets_429_with_retry_after(
     assert "has 1 of its 1 requests at once open" in str(refused.value)
     assert first is not None and sum(1 for _ in long) > 0
 
+    early: list[str] = []  # 429s while the door had not yet counted the long one ended
+
     def third() -> None:  # the third in this minute, once the door counts the long one ended
         try:
             _chat(client)
         except openai.RateLimitError as e:
+            if "requests at once" in str(e):
+                early.append(str(e))
             assert "requests at once" not in str(e), "the door has not ended the long one yet"
             raise
 
@@ -162,11 +166,13 @@ def test_a_key_over_its_limit_gets_429_with_retry_after(
 
     def limited_twice() -> dict[str, Any]:  # each worker writes its counts within 2 s
         row = _usage(appliance, "bob")
-        assert row["limited"] >= 2 and row["requests"] >= 3, row
+        assert row["limited"] >= 2 + len(early) and row["requests"] >= 3, row
         return row
 
     row = _wait_for(limited_twice)
-    assert row["limited"] == 2 and row["requests"] == 3, row
+    # Each refusal counts: the one at once, any while the door had not yet seen the long one
+    # end (the third's tries), and the one over the rate.
+    assert row["limited"] == 2 + len(early) and row["requests"] == 3, (row, early)
 
 
 def test_a_bad_key_of_any_shape_is_a_quick_401(appliance: Appliance) -> None:
