@@ -119,7 +119,9 @@ class Plan:
 
 # vLLM on one Arc Pro B70 sees 30.3 GiB: Intel's runtime reports "usable global mem = 30.3 GiB"
 # (clinfo), and a B70 owner's log puts "util 0.85 = 25.75 GiB of 30.3 GiB card"
-# (hotschmoe/b70_ai_things, 2026-07). The 32 GB on the box is 34,242,297,856 bytes to torch.
+# (hotschmoe/b70_ai_things, 2026-07); vLLM's own reading on two B70s is "total=30.30 GiB"
+# (vllm-project/vllm#53990). The 32 GB on the box is 34,242,297,856 bytes to torch's device
+# properties.
 B70_VISIBLE_BYTES = int(30.3 * GIB)
 CARDS = {"b70": (B70_VISIBLE_BYTES, 608e9)}  # Intel Arc Pro B70: 608 GB/s GDDR6
 # Memory vLLM counts as used that neither the weights nor the profile's tensors explain: the
