@@ -92,6 +92,10 @@ def _import_quietly(module: str) -> None:
         importlib.import_module(module)
 
 
+JOURNAL_SETTLE_S = 0.3  # between two reads of a failed start's journal
+JOURNAL_SETTLE_TRIES = 6
+
+
 class SystemEdges:
     """The edges of appliance.switch.executor.Edges: systemd, the proxy and the state dir."""
 
@@ -193,8 +197,18 @@ class SystemEdges:
         enable_only(self.config, self.sd, runtime)
 
     def journal(self, runtime: str, since: float | None) -> str | None:
+        """The failed start's journal, once journald has all of it: a process that exits at
+        once may reach the journal after its unit's ExecStartPost= has (journald reads each
+        process's stream in its own time), so it is read again until it stops growing."""
         unit = self.config.runtime(runtime).unit
-        return systemd.journal_excerpt(self.lay.scope, unit, since=since)
+        text = systemd.journal_excerpt(self.lay.scope, unit, since=since)
+        for _ in range(JOURNAL_SETTLE_TRIES):
+            time.sleep(JOURNAL_SETTLE_S)
+            again = systemd.journal_excerpt(self.lay.scope, unit, since=since)
+            if again == text:
+                break
+            text = again
+        return text
 
     def journal_command(self, runtime: str) -> str:
         unit = self.config.runtime(runtime).unit
