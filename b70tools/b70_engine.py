@@ -328,7 +328,9 @@ def vllm_engine(args: list[str]) -> Engine:
     p = capacity.plan(cfg, serve, env=dict(os.environ))
     eager = serve.enforce_eager
     weights = p.weight_bytes_per_card
-    held = int(serve.gpu_memory_utilization * capacity.B70_VISIBLE_BYTES)
+    # vLLM takes its share of torch's total; the card cannot hold more than it has
+    share = int(serve.gpu_memory_utilization * capacity.B70_TOTAL_BYTES)
+    held = min(share, capacity.B70_VISIBLE_BYTES)
     if serve.kv_cache_memory_bytes:
         held = weights + p.profile_bytes + serve.kv_cache_memory_bytes
     lines = startlog.plan_log(p)

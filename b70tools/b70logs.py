@@ -13,7 +13,8 @@ HOTSCHMOE = "https://github.com/hotschmoe/b70_ai_things (agentic-eval/results/lo
 LOGS = [
     ("L1", "Qwen-Qwen3.6-27B", ["--max-model-len", "8192", "--tensor-parallel-size", "2",
      "--no-enable-prefix-caching", "--max-num-seqs", "64", "--quantization", "inc",
-     "--dtype", "bfloat16"], 17.98, 444_888, 54.31, 832, "6.26", HOTSCHMOE),
+     "--dtype", "bfloat16", "--limit-mm-per-prompt", '{"image": 0, "video": 0}'],
+     17.98, 444_888, 54.31, 832, "6.26", HOTSCHMOE),
     ("L8", "Qwen-Qwen3.6-27B", ["--dtype", "bfloat16", "--max-model-len", "8192",
      "--gpu-memory-utilization", "0.85", "--no-enable-prefix-caching", "--max-num-seqs", "4",
      "--quantization", "modelopt_mixed", "--speculative-config", MTP5],

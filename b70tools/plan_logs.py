@@ -14,13 +14,17 @@ FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "b70"
 def main() -> None:
     print(f"{'log':<5}{'tokens logged':>15}{'planned':>10}{'conc logged':>13}{'planned':>9}"
           f"{'avail logged':>14}{'from flags':>12}{'apart':>8}{'weights':>9}"
-          f"{'planned':>9}")  # fmt: skip
+          f"{'planned':>9}{'w/ logged weights':>19}{'apart':>8}")  # fmt: skip
     for name, config, flags, available, tokens, concurrency, *_ in LOGS:
         cfg = json.loads((FIXTURES / f"{config}.json").read_text())
         serve = serveflags.parse(flags)
         given = capacity.plan(cfg, serve, cache_bytes=int(available * GIB))
         alone = capacity.plan(cfg, serve)
         logged_w = WEIGHTS.get(name)
+        weighed = (
+            capacity.plan(cfg, serve, weights_per_card=int(logged_w * GIB)).available_kv_bytes
+            / GIB if logged_w is not None else None
+        )  # fmt: skip
         print(
             f"{name:<5}{tokens:>15,}{given.kv_cache_tokens:>10,}"
             f"{concurrency if concurrency is not None else '-':>13}{given.max_concurrency:>9.2f}"
@@ -28,6 +32,7 @@ def main() -> None:
             f"{alone.available_kv_bytes / GIB / available - 1:>+8.1%}"
             f"{logged_w if logged_w is not None else '-':>9}"
             f"{alone.weight_bytes_per_card / GIB:>9.2f}"
+            + (f"{weighed:>19.2f}{weighed / available - 1:>+8.1%}" if weighed else "")
         )
 
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from appliance.cli import cli
-from b70tools.b70logs import LOGS
+from b70tools.b70logs import GIB, LOGS, WEIGHTS
 
 B70 = Path(__file__).parent / "fixtures" / "b70"
 
@@ -40,6 +40,58 @@ def test_the_plan_given_the_logged_cache_prints_what_vllm_printed(case: tuple) -
         assert f"Setting attention block size to {block} tokens" in log
         assert f"Padding mamba page size by {padding}%" in log
         assert f"GPU KV cache size: {doc['kv_cache_tokens']:,} tokens" in log
+
+
+WEIGHED = [c for c in LOGS if c[0] in WEIGHTS]
+
+
+@pytest.mark.parametrize("case", WEIGHED, ids=[c[0] for c in WEIGHED])
+def test_the_cache_from_the_flags_and_the_logged_weights_is_within_5_percent(case: tuple) -> None:  # type: ignore[type-arg]
+    """Without the logged cache: vLLM's share of the card, less the weights the log states and
+    what the profile keeps back, is the cache vLLM logged, within 5%."""
+    name, config, flags, available, *_, source = case
+    doc = plan(config, *flags, "--weights-gib", str(WEIGHTS[name]))
+    assert doc["available_kv_bytes"] / GIB == pytest.approx(available, rel=0.05), source
+
+
+@pytest.mark.parametrize("name", ["L1", "L11"])
+def test_the_cache_from_the_flags_alone_is_within_5_percent_where_the_weights_are_known(
+    name: str,
+) -> None:
+    """Where the checkpoint's weights are planned right (int4 AutoRound; FP8 from BF16, with the
+    vision tower L11 loads and L1's `--limit-mm-per-prompt` of 0 leaves out), the flags alone
+    give the cache within 5%."""
+    _, config, flags, available, *_, source = next(c for c in LOGS if c[0] == name)
+    doc = plan(config, *flags)
+    assert doc["weight_bytes_per_card"] / GIB == pytest.approx(WEIGHTS[name], rel=0.03), source
+    assert doc["available_kv_bytes"] / GIB == pytest.approx(available, rel=0.05), source
+
+
+def test_l19_at_vllm_s_defaults_leaves_no_cache_as_it_logged() -> None:
+    """intel/llm-scaler#672: Qwen3.8-27B in BF16 on two B70s logged "Available KV cache memory:
+    -0.61 GiB". Its flags beyond the two cards were not given; at vLLM's defaults (0.92, 256
+    sequences, the vision tower loaded) the plan, fitted without it, leaves none either."""
+    doc = plan("Qwen-Qwen3.8-27B", "--tensor-parallel-size", "2")
+    assert doc["available_kv_bytes"] / GIB == pytest.approx(-0.61, abs=0.3)  # type: ignore[operator]
+    assert doc["fits"] is False
+
+
+def test_a_media_limit_of_0_for_every_modality_leaves_the_vision_tower_out() -> None:
+    base = ["--max-model-len", "8192"]
+    tower = plan("Qwen-Qwen3.6-27B", *base)
+    none = plan("Qwen-Qwen3.6-27B", *base, "--limit-mm-per-prompt", '{"image": 0, "video": 0}')
+    only = plan("Qwen-Qwen3.6-27B", *base, "--language-model-only")
+    some = plan("Qwen-Qwen3.6-27B", *base, '--limit-mm-per-prompt={"image": 1, "video": 0}')
+    assert none["weight_bytes_per_card"] == only["weight_bytes_per_card"]
+    assert tower["weight_bytes_per_card"] == some["weight_bytes_per_card"]
+    tower_gib = (tower["weight_bytes_per_card"] - none["weight_bytes_per_card"]) / GIB  # type: ignore[operator]
+    assert 0.75 < tower_gib < 0.95  # 27 blocks of 1152 wide and the merger, in bf16
+    bad = CliRunner().invoke(cli, ["plan", str(B70 / "Qwen-Qwen3.6-27B.json"),
+                                   "--limit-mm-per-prompt", "image=0"])  # fmt: skip
+    assert (
+        bad.exit_code == 1 and "--limit-mm-per-prompt 'image=0' is not a JSON object" in bad.stderr
+    )
+    assert "Traceback" not in bad.output + bad.stderr
 
 
 def test_the_seed_recipe_holds_61_requests_with_the_fp32_state_and_64_with_fp16() -> None:

@@ -77,7 +77,7 @@ def chat(app: Appliance, max_tokens: int = 8, timeout: float = 600) -> Any:
 def test_a_switch_at_a_b70s_times_waits_for_the_memory_and_shows_the_vram(b70: B70) -> None:
     app = b70.app
     chat(app)  # vLLM, examples/b70.toml's default, serves
-    assert b70.held_by("b70-vllm.service") == int(0.82 * capacity.B70_VISIBLE_BYTES) // 1024 * 1024
+    assert b70.held_by("b70-vllm.service") == int(0.82 * capacity.B70_TOTAL_BYTES) // 1024 * 1024
     app.b70ctl("switch", "llamacpp", check=True)
     to_llama = last_switch(app)["phases"]
     assert b70.held_by("b70-llamacpp.service") >= 19 * GIB
@@ -96,7 +96,7 @@ def test_a_switch_at_a_b70s_times_waits_for_the_memory_and_shows_the_vram(b70: B
     # of engine, scaled; the moving line showed the card's VRAM meanwhile.
     assert to_vllm["loading"] >= (15 + 228.37) * SCALE * 0.9, to_vllm
     assert "GiB" in screen and "verified" in screen, screen
-    assert b70.held_by("b70-vllm.service") == int(0.82 * capacity.B70_VISIBLE_BYTES) // 1024 * 1024
+    assert b70.held_by("b70-vllm.service") == int(0.82 * capacity.B70_TOTAL_BYTES) // 1024 * 1024
     assert b70.held_by("b70-llamacpp.service") == 0
     assert chat(app).choices[0].message.content
     # The status page's samples carry the card's VRAM as the monitor read it.

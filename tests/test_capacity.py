@@ -299,8 +299,30 @@ def test_the_start_up_profile_is_kept_from_the_cache() -> None:
     peak = capacity.profile_peak_bytes(model_shape.parse_shape(cfg()), 1, 8192, 64, "fp16")
     kept = capacity.plan(cfg(), serve(RECIPE), tokens=1024)
     fewer = capacity.plan(cfg(), serve(RECIPE.replace("8192", "2048")), tokens=1024)
-    assert kept.profile_bytes == peak
-    assert fewer.available_kv_bytes - kept.available_kv_bytes == peak - fewer.profile_bytes > 0
+    assert kept.profile_bytes == int(capacity.PROFILE_SCALE * peak)
+    more = fewer.available_kv_bytes - kept.available_kv_bytes
+    assert more == kept.profile_bytes - fewer.profile_bytes and more > 0
+
+
+def test_each_sequence_and_a_second_card_are_kept_from_the_cache_as_the_logs_show() -> None:
+    """The B70 logs' cache shrinks with --max-num-seqs (L10's 128 against L8's 4) and with a
+    second card; past the 128 sequences the logs reach the plan does not extrapolate."""
+    at = {n: capacity.plan(cfg(), serve(RECIPE.replace("--max-num-seqs 64", f"--max-num-seqs {n}")))
+          for n in (64, 128, 512)}  # fmt: skip
+    step = capacity.PER_SEQUENCE_BYTES * 64
+    assert at[64].available_kv_bytes - at[128].available_kv_bytes == pytest.approx(step, abs=2**20)
+    assert at[128].available_kv_bytes - at[512].available_kv_bytes == pytest.approx(
+        int(capacity.PROFILE_SCALE * capacity.profile_peak_bytes(
+            model_shape.parse_shape(cfg()), 1, 8192, 512, "fp16")) - at[128].profile_bytes,
+        abs=2**20,
+    )  # fmt: skip
+    one = capacity.plan(cfg(), serve(RECIPE))
+    two = capacity.plan(cfg(), serve(RECIPE + " -tp 2"))
+    spent_one = int(0.82 * capacity.B70_TOTAL_BYTES) - one.available_kv_bytes
+    spent_two = int(0.82 * capacity.B70_TOTAL_BYTES) - two.available_kv_bytes
+    assert spent_two - (two.weight_bytes_per_card + two.profile_bytes) == (
+        spent_one - (one.weight_bytes_per_card + one.profile_bytes) + capacity.SECOND_CARD_BYTES
+    )
 
 
 def test_unknown_quantization_is_planned_unsure_and_a_bad_config_is_named() -> None:

@@ -307,7 +307,7 @@ def test_a_recipe_that_cannot_hold_one_request_fails_with_its_fix(host: Host) ->
     host.text = host.text.replace(
         'args = ["--cpu-offload-gb", "4"]',
         'args = ["--cpu-offload-gb", "4", "--max-model-len", "262144", '
-        '"--gpu-memory-utilization", "0.8"]',
+        '"--gpu-memory-utilization", "0.92", "--max-num-seqs", "8"]',
     )
     check = one_failure(host, "tp: fits")
     assert "runtimes.tp cannot hold one request of --max-model-len 262144" in str(check["detail"])

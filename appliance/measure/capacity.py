@@ -117,18 +117,30 @@ class Plan:
     steps: list[dict[str, float]]
 
 
-# vLLM on one Arc Pro B70 sees 30.3 GiB: Intel's runtime reports "usable global mem = 30.3 GiB"
-# (clinfo), and a B70 owner's log puts "util 0.85 = 25.75 GiB of 30.3 GiB card"
-# (hotschmoe/b70_ai_things, 2026-07); vLLM's own reading on two B70s is "total=30.30 GiB"
-# (vllm-project/vllm#53990). The 32 GB on the box is 34,242,297,856 bytes to torch's device
-# properties.
-B70_VISIBLE_BYTES = int(30.3 * GIB)
-CARDS = {"b70": (B70_VISIBLE_BYTES, 608e9)}  # Intel Arc Pro B70: 608 GB/s GDDR6
-# Memory vLLM counts as used that neither the weights nor the profile's tensors explain: the
-# Level Zero and SYCL runtime's own, the allocator's cached segments (llm-scaler prints the
-# latter as "Fragmentation (Wasted)": 1.47 GB on one B70, intel/llm-scaler#339). Fitted to the
-# B70 logs whose weights load as they are (see docs/plan.md).
-NON_TORCH_BYTES = int(0.75 * GIB)
+# The memory of one Arc Pro B70 as vLLM's XPU worker takes it for `--gpu-memory-utilization`:
+# torch's total for the device, 34,242,297,856 bytes (31.89 GiB), where Intel's runtime says
+# "usable global mem = 30.3 GiB" (clinfo). The B70 logs need the larger figure: L9 logged
+# 12.6 GiB of weights and a 14.1 GiB cache at 0.85, more than 0.85 x 30.3 = 25.76 GiB
+# (hotschmoe/b70_ai_things); L8 and L11 are the same. vLLM's XPU worker of those releases takes
+# `torch.xpu.mem_get_info()`'s total, counts 128 MiB outside torch on a client GPU, and keeps
+# back torch's peak allocation (XPUWorker.determine_available_memory, vllm/v1/worker/xpu_worker.py).
+B70_TOTAL_BYTES = 34_242_297_856
+B70_VISIBLE_BYTES = int(30.3 * GIB)  # what the card can hold: the stand-in's ceiling
+CARDS = {"b70": (B70_TOTAL_BYTES, 608e9)}  # Intel Arc Pro B70: 608 GB/s GDDR6
+# What vLLM keeps back beyond the weights, fitted to the B70 logs that state their weights (L1,
+# L8-L11: each within 4% given its logged weights) and the seed recipe's 61 requests; docs/plan.md
+# has the table:
+# - the activation estimate of profile_peak_bytes, times PROFILE_SCALE (torch's peak holds
+#   more than the largest layer's tensors: the residual stream, norms, the kernels' workspaces);
+# - PER_SEQUENCE_BYTES for each of --max-num-seqs, up to the 128 the logs reach (the sampler's
+#   rows over a 248,320-token vocabulary, and what else the logs show growing with it);
+# - SECOND_CARD_BYTES on each card once there are two or more (oneCCL's buffers);
+# - NON_TORCH_BYTES, a constant: none is left once the three above are counted.
+PROFILE_SCALE = 1.4
+PER_SEQUENCE_BYTES = int(0.028 * GIB)
+SEQUENCES_MEASURED = 128
+SECOND_CARD_BYTES = int(0.4 * GIB)
+NON_TORCH_BYTES = 0
 # vLLM's default --gpu-memory-utilization, and its defaults for a card under 70 GiB
 DEFAULT_UTILIZATION = 0.92
 # vLLM releases before 0.20 count "GPU KV cache size" as blocks over groups x block size.
@@ -239,10 +251,11 @@ def plan(
     tokens = tokens or max_len
     batched = serve.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
     seqs = serve.max_num_seqs or DEFAULT_MAX_SEQS
-    profile = profile_peak_bytes(s, cards, batched, seqs, dtype)
+    profile = int(PROFILE_SCALE * profile_peak_bytes(s, cards, batched, seqs, dtype))
     loaded = per_card - offload if weights_per_card is None else weights_per_card
     utilization = serve.gpu_memory_utilization
     kept = loaded + profile + non_torch_bytes  # what is not the cache, on each card
+    kept += PER_SEQUENCE_BYTES * min(seqs, SEQUENCES_MEASURED) + SECOND_CARD_BYTES * (cards > 1)
     given = serve.kv_cache_memory_bytes or cache_bytes
     available = given if given is not None else int(utilization * card_bytes) - kept
     if block_align is None:
@@ -295,7 +308,10 @@ def _layer_bytes(s: Shape, p: Params, dtype: str) -> int:
 
 
 def _vision_bytes(cfg: Mapping[str, Any], dtype: str) -> int:
-    """The vision tower vLLM loads unless --language-model-only: its blocks' attention and MLP."""
+    """The vision tower vLLM loads unless --language-model-only (or every modality's
+    --limit-mm-per-prompt is 0): its blocks' attention and MLP, and the merger that folds
+    spatial_merge_size² patches into one token of the language model's width (Qwen3-VL's and
+    Qwen3.5's `vision_config`: depth, hidden_size, intermediate_size, out_hidden_size)."""
     vision = cfg.get("vision_config")
     if not isinstance(vision, dict):
         return 0
@@ -303,7 +319,12 @@ def _vision_bytes(cfg: Mapping[str, Any], dtype: str) -> int:
     inter = vision.get("intermediate_size") or (4 * h if isinstance(h, int) else None)
     if not (isinstance(h, int) and isinstance(depth, int) and isinstance(inter, int)):
         return 0
-    return max(0, int(depth * (4 * h * h + 2 * h * inter) * DTYPE_BYTES[dtype]))
+    params = depth * (4 * h * h + 2 * h * inter)
+    out, merge = vision.get("out_hidden_size"), vision.get("spatial_merge_size")
+    if isinstance(out, int) and isinstance(merge, int) and out > 0 and merge > 0:
+        folded = merge * merge * h
+        params += folded * folded + folded * out
+    return max(0, int(params * DTYPE_BYTES[dtype]))
 
 
 def _active_params(s: Shape, p: Params) -> tuple[float, int]:

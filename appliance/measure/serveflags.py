@@ -119,7 +119,7 @@ _VALUES = {
     "--speculative-config": "speculative", "--cpu-offload-gb": "cpu_offload_gb",
     "--cpu-offload-params": "cpu_offload_params",
     "--kv-cache-memory-bytes": "kv_cache_memory_bytes",
-    "--block-size": "block_size",
+    "--block-size": "block_size", "--limit-mm-per-prompt": "limit_mm_per_prompt",
 }  # fmt: skip
 _SWITCHES = {
     "--enable-prefix-caching": ("enable_prefix_caching", True),
@@ -172,6 +172,17 @@ def parse(argv: Sequence[str]) -> Serve:
     return Serve(**values, ignored=tuple(ignored))  # type: ignore[arg-type]
 
 
+def _no_media(flag: str, text: str) -> bool:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        raise _bad(flag, text, 'a JSON object such as {"image": 0}') from None
+    if not isinstance(doc, dict):
+        raise _bad(flag, text, 'a JSON object such as {"image": 0}')
+    limits = [v.get("count") if isinstance(v, dict) else v for v in doc.values()]
+    return bool(limits) and all(v == 0 and not isinstance(v, bool) for v in limits)
+
+
 def _set(values: dict[str, object], flag: str, key: str, text: str) -> None:
     if (
         key in ("tensor_parallel_size", "max_num_seqs", "block_size")
@@ -187,6 +198,10 @@ def _set(values: dict[str, object], flag: str, key: str, text: str) -> None:
         values["speculative_method"], values["num_speculative_tokens"] = speculative(text)
     elif key == "cpu_offload_params":
         values[key] = tuple(p for p in re.split(r"[,\s]+", text) if p)
+    elif key == "limit_mm_per_prompt":
+        # vLLM skips the encoder when every modality's limit is 0 (`{"image": 0, "video": 0}`)
+        if _no_media(flag, text):
+            values["language_model_only"] = True
     elif key == "quantization":
         values[key] = None if text in ("", "none", "None") else text
     else:
