@@ -1,33 +1,39 @@
-"""Switching on demand, first-come-first-served against the appliance's policy, on one trace (run
-through scripts/bench-demand).
+"""Switching on demand in three orders on the same traces: strict first come, first served,
+the collated order llama-swap ships now, and the appliance's policy (run through
+scripts/bench-demand).
 
 The demo appliance under a private user manager, its llama.cpp serving `smollm2` and its vLLM
 serving `smollm2-vllm` on a port of its own, both on the one CPU "card", with `[switching]
 on_demand`. The trace, from a seed: for each model, Poisson arrivals (a mean gap per model), one
-arrival in ten a burst of 3 to 6 requests at once, for DURATION seconds. Each request is a
-streamed OpenAI SDK chat completion (16 tokens at most, temperature 0), sent at its time by a
-thread of its own; its latency runs from its send to its last chunk.
+arrival in ten a burst of 3 to 6 requests at once, for DURATION seconds
+(b70tools.demand_sim.trace). Each request is a streamed OpenAI SDK chat completion (16 tokens at
+most, temperature 0), sent at its time by a thread of its own; its latency runs from its send to
+its last chunk.
 
-The same trace is replayed under each policy, on a new appliance each time (llama.cpp serving
-at the start):
-- fcfs: `[switching] fcfs = true`, strict first come, first served: a request for the other
-  runtime swaps as soon as the requests in flight end (the switch's drain), and the requests
-  that came after it wait for their turn, whichever model they ask for; which is how llama-swap
-  and llama.cpp's router behave;
-- policy: the appliance's defaults (`max_wait_s` 120, `stay_factor` 2, `batch` 8).
-Both hold a request up to 900 s (`[proxy] hold_s`); a request that gets an error is failed, a
-stream that ends without its finish reason is cut.
+Each trace is replayed in each order, on a new appliance each time (llama.cpp serving at the
+start), the orders taking turns at going first from one seed to the next (the second seed runs
+them in reverse), so that none always runs on a warm machine:
+- fcfs: `[switching] order = "fcfs"`, strict first come, first served: a request for the other
+  runtime swaps as soon as the requests in flight end, and the requests that came after it wait
+  for their turn, whichever model they ask for (llama-swap's order until its queue collated);
+- collated: `order = "collated"`, as llama-swap serves now: the runtime that swapped in takes
+  every request waiting for it and swaps away only when none is left, to the runtime of the
+  oldest request waiting for another;
+- policy: the appliance's default order.
+Every order holds a request up to 900 s (`[proxy] hold_s`); a request that gets an error is
+failed, a stream that ends without its finish reason is cut.
 
 With `--b70 SCALE` the appliance is examples/b70.toml's on the B70 stand-in
 (b70tools.b70_engine, b70tools.b70_appliance) on a fixture B70: llama.cpp serving `qwen-gguf`
 and vLLM `qwen-vllm`, each start as long as a B70's (vLLM's about 263 s, llama.cpp's about 25 s)
 times SCALE, each answer at the seed's time per token, the memory one frees taking a second to
-come back (b70_engine.Driver); requests ask 64 tokens.
+come back (b70_engine.Driver); requests ask 64 tokens. With `--simulate` the same traces run
+through b70tools.demand_sim instead, in a second: the demo's costs, or a B70's with `--b70`.
 
-Prints, per policy: the swaps (switch records made during the run), p50 and p95 latency per
-model, completion tokens per second over the run, failed and cut requests; and the ratio of
-swaps. `--trace FILE` replays a trace of one's own instead (JSON lines, `--write-trace` writes
-a seed's in that form).
+Prints, per seed and order: the swaps (switch records made during the run), p50, p95 and p99
+latency per model, completion tokens per second over the run, failed and cut requests; then
+the policy's p95 and swaps over the collated order's. `--trace FILE` replays a trace of one's
+own instead (JSON lines, `--write-trace` writes a seed's in that form).
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import threading
 import time
@@ -43,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from b70tools import demand_sim
+from b70tools.demand_sim import trace
 from b70tools.demo_appliance import Demo, demo_appliance
 from b70tools.net import free_port
 
@@ -51,23 +58,11 @@ MODELS = {"smollm2": "llamacpp", "smollm2-vllm": "vllm"}
 B70_MODELS = {"qwen-gguf": "llamacpp", "qwen-vllm": "vllm"}
 B70_TOKENS = 64
 HOLD_S = 900
-POLICIES = {
-    "fcfs": "fcfs = true\n",
-    "policy": "",  # the defaults
+ORDERS = {
+    "fcfs": 'order = "fcfs"\n',
+    "collated": 'order = "collated"\n',
+    "policy": "",  # the default
 }
-
-
-def trace(seed: int, duration_s: float, gaps_s: dict[str, float]) -> list[tuple[float, str]]:
-    """(seconds from the start, model) of every request, in order."""
-    rng = random.Random(seed)
-    out: list[tuple[float, str]] = []
-    for model, gap in sorted(gaps_s.items()):
-        t = rng.expovariate(1 / gap)
-        while t < duration_s:
-            burst = rng.randint(3, 6) if rng.random() < 0.1 else 1
-            out += [(t, model)] * burst
-            t += rng.expovariate(1 / gap)
-    return sorted(out)
 
 
 @dataclass
@@ -120,7 +115,7 @@ def configure(text: str, policy: str) -> str:
         '[runtimes.vllm]\nengine = "vllm"',
         f'[runtimes.vllm]\nengine = "vllm"\nserved_model_name = "smollm2-vllm"\nport = {port}',
     )
-    return text + "\n[switching]\non_demand = true\n" + POLICIES[policy]
+    return text + "\n[switching]\non_demand = true\n" + ORDERS[policy]
 
 
 def history(demo: Demo) -> list[dict[str, Any]]:
@@ -157,7 +152,7 @@ def b70_appliance(policy: str, scale: float) -> Any:
             monitor = doc["monitor"]["port"]
             ports = {"llamacpp": ("qwen-gguf", backend), "vllm": names["vllm"]}
             return standin_text(proxy, backend, monitor, where / "models", scale, names=ports) + (
-                f"\n[switching]\non_demand = true\n{POLICIES[policy]}"
+                f"\n[switching]\non_demand = true\n{ORDERS[policy]}"
             ).replace("hold_s = 900", f"hold_s = {HOLD_S}")
 
         env = {"B70_SYSROOT": str(tree), "B70_STANDIN_DRIVER": driver.address}
@@ -222,8 +217,7 @@ def summary(run: Run) -> dict[str, Any]:
         ok = [o.seconds for o in mine if o.error is None and o.seconds is not None]
         per_model[model] = {
             "requests": len(mine),
-            "p50_s": percentile(ok, 50),
-            "p95_s": percentile(ok, 95),
+            **{f"p{q}_s": percentile(ok, q) for q in (50, 95, 99)},
         }
     tokens = sum(o.tokens for o in run.outcomes)
     return {
@@ -239,26 +233,46 @@ def summary(run: Run) -> dict[str, Any]:
     }
 
 
+def simulated(order: str, requests: list[tuple[float, str]], b70: bool) -> dict[str, Any]:
+    """The same figures from b70tools.demand_sim: the demo's swap costs, or a B70's."""
+    from appliance.switch.demand.policy import Policy
+
+    runtimes = demand_sim.B70 if b70 else demand_sim.DEMO
+    arrivals = [(at, MODELS[model]) for at, model in requests]
+    policy = Policy(hold_s=HOLD_S) if order == "policy" else Policy(order=order, hold_s=HOLD_S)
+    result = demand_sim.simulate(arrivals, runtimes, policy, "llamacpp", hold_s=HOLD_S)
+    run = Run(order, wall_s=result.end_s, swaps=[{"reason": "simulated"}] * result.swaps)
+    for model, runtime in MODELS.items():
+        for seconds in result.latencies[runtime]:
+            run.outcomes.append(Outcome(model, 0.0, seconds, B70_TOKENS if b70 else 16))
+    figures = summary(run)
+    figures["failed"] = result.failed
+    return figures
+
+
 def show(figures: list[dict[str, Any]]) -> str:
     def s(v: float | None) -> str:
-        return "-" if v is None else f"{v:.1f} s"
+        return "-" if v is None else f"{v:.1f}"
 
-    lines = [f"{'policy':<8} {'swaps':>5}  " + "  ".join(
-        f"{m + ' p50':>18} {m + ' p95':>18}" for m in MODELS
-    ) + f"  {'tok/s':>6} {'failed':>6} {'cut':>4}"]  # fmt: skip
+    head = "  ".join(f"{m + ' p50/p95/p99 s':>28}" for m in MODELS)
+    lines = [f"{'order':<9} {'swaps':>5}  {head}  {'tok/s':>6} {'failed':>6} {'cut':>4}"]
     for f in figures:
         cells = "  ".join(
-            f"{s(f['models'][m]['p50_s']):>18} {s(f['models'][m]['p95_s']):>18}" for m in MODELS
+            f"{'/'.join(s(f['models'][m][f'p{q}_s']) for q in (50, 95, 99)):>28}" for m in MODELS
         )
         tps = f"{f['tokens_per_s']:.2f}" if f["tokens_per_s"] is not None else "-"
         lines.append(
-            f"{f['policy']:<8} {f['swaps']:>5}  {cells}  {tps:>6} {f['failed']:>6} {f['cut']:>4}"
+            f"{f['policy']:<9} {f['swaps']:>5}  {cells}  {tps:>6} {f['failed']:>6} {f['cut']:>4}"
         )
     by = {f["policy"]: f for f in figures}
-    if "fcfs" in by and "policy" in by and by["policy"]["swaps"]:
-        lines.append(
-            f"fcfs swaps / policy swaps: {by['fcfs']['swaps'] / by['policy']['swaps']:.1f}"
-        )
+    if "collated" in by and "policy" in by:
+        ours, theirs = by["policy"], by["collated"]
+        ratios = []
+        for m in MODELS:
+            a, b = ours["models"][m]["p95_s"], theirs["models"][m]["p95_s"]
+            ratios.append(f"{m} p95 {a / b:.2f}" if a and b else f"{m} p95 -")
+        swaps = f"{ours['swaps']} against {theirs['swaps']}"
+        lines.append(f"policy / collated: {', '.join(ratios)}; swaps {swaps}")
     return "\n".join(lines)
 
 
@@ -285,45 +299,59 @@ def read_trace(path: Path) -> list[tuple[float, str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", default="1", help="a seed, or several: 1,2")
     parser.add_argument("--duration", type=float, default=300.0, help="seconds of arrivals")
     parser.add_argument("--gap-llamacpp", type=float, default=6.0, help="mean seconds between")
     parser.add_argument("--gap-vllm", type=float, default=10.0, help="mean seconds between")
     parser.add_argument("--trace", type=Path, help="replay this trace (JSON lines), not a seed's")
     parser.add_argument("--write-trace", type=Path, help="write the trace here (JSON lines)")
-    parser.add_argument("--policies", default="fcfs,policy")
+    parser.add_argument("--orders", default="fcfs,collated,policy")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument(
         "--b70", type=float, metavar="SCALE",
         help="on the B70 stand-in, its times scaled by SCALE (0.1: a vLLM start of 26 s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--simulate", action="store_true", help="b70tools.demand_sim instead of the appliance"
+    )
     args = parser.parse_args()
     if args.b70 is not None:
         if not 0 < args.b70 <= 1:
             raise SystemExit("--b70: a scale above 0 and at most 1")
         MODELS.clear()
         MODELS.update(B70_MODELS)
+    try:
+        seeds = [int(x) for x in str(args.seed).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--seed: whole numbers separated by commas, not {args.seed!r}") from None
+    orders = [o for o in args.orders.split(",") if o]
+    for order in orders:
+        if order not in ORDERS:
+            raise SystemExit(f"--orders: {order!r} is not one of {', '.join(ORDERS)}")
     first, second = list(MODELS)
     gaps = {first: args.gap_llamacpp, second: args.gap_vllm}
-    requests = read_trace(args.trace) if args.trace else trace(args.seed, args.duration, gaps)
-    if args.write_trace:
-        lines = [json.dumps({"at": round(at, 3), "model": model}) for at, model in requests]
-        args.write_trace.write_text("".join(line + "\n" for line in lines))
-    counts = {m: sum(1 for _, x in requests if x == m) for m in MODELS}
-    name = str(args.trace) if args.trace else f"seed {args.seed}"
-    span = requests[-1][0] if requests else 0.0
-    print(f"{name}: {len(requests)} requests over {span:.0f} s, {counts}", flush=True)
-    policies = args.policies.split(",")
-    for policy in policies:
-        if policy not in POLICIES:
-            raise SystemExit(f"--policies: {policy!r} is not one of {', '.join(POLICIES)}")
-    figures = []
-    for policy in policies:
-        log = lambda m: print(m, flush=True)  # noqa: E731
-        figures.append(summary(replay(policy, requests, log, args.b70)))
-    print(show(figures))
+    results = []
+    for index, seed in enumerate([0] if args.trace else seeds):
+        requests = read_trace(args.trace) if args.trace else trace(seed, args.duration, gaps)
+        if args.write_trace:
+            lines = [json.dumps({"at": round(at, 3), "model": model}) for at, model in requests]
+            args.write_trace.write_text("".join(line + "\n" for line in lines))
+        counts = {m: sum(1 for _, x in requests if x == m) for m in MODELS}
+        name = str(args.trace) if args.trace else f"seed {seed}"
+        span = requests[-1][0] if requests else 0.0
+        print(f"{name}: {len(requests)} requests over {span:.0f} s, {counts}", flush=True)
+        figures = []
+        for order in orders if index % 2 == 0 else list(reversed(orders)):
+            if args.simulate:
+                figures.append(simulated(order, requests, args.b70 is not None))
+                continue
+            log = lambda m: print(m, flush=True)  # noqa: E731
+            figures.append(summary(replay(order, requests, log, args.b70)))
+        figures.sort(key=lambda f: orders.index(f["policy"]))
+        print(show(figures), flush=True)
+        results.append({"trace": name, "figures": figures})
     if args.json:
-        args.json.write_text(json.dumps({"trace": name, "figures": figures}, indent=1))
+        args.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

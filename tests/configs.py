@@ -167,9 +167,24 @@ BAD = [
         "switching.max_wait_s: 300 s is not below proxy.hold_s (300 s)",
     ),
     (
-        "on demand with a batch of none",
-        TWO_NAMES + "\n[switching]\non_demand = true\nbatch = 0\n",
-        "switching.batch: 0",
+        "on demand with a batch below none",
+        TWO_NAMES + "\n[switching]\non_demand = true\nbatch = -1\n",
+        "switching.batch: -1",
+    ),
+    (
+        "an order of switching that is not one",
+        TWO_NAMES + '\n[switching]\non_demand = true\norder = "lifo"\n',
+        "switching.order: 'lifo' is not an order",
+    ),
+    (
+        "first come, first served against another order",
+        TWO_NAMES + '\n[switching]\non_demand = true\norder = "collated"\nfcfs = true\n',
+        "switching.fcfs: says first come, first served where order is 'collated'",
+    ),
+    (
+        "an order without switching on demand",
+        TWO_NAMES + '\n[switching]\norder = "collated"\n',
+        "switching.order: is the order of switching on demand",
     ),
     ("a typo in switching", TWO_NAMES + "\n[switching]\non_demnd = true\n", "switching.on_demnd"),
 ]

@@ -155,17 +155,31 @@ def queue(count: int, waited_s: float) -> hold.Queue:
     return hold.Queue(count, 10_000.0 - waited_s)
 
 
-def test_a_request_for_the_other_model_swaps_once_the_runtime_has_served_its_stay(
+def test_a_request_for_the_other_model_swaps_once_nothing_is_left_for_the_runtime(
     runner: Runner,
 ) -> None:
     vllm_waits = {VLLM: queue(1, 5)}
-    # llama.cpp swapped in 15 s ago (its switch takes 10 s by default: it stays 20 s)
     came_in = [{"to": "llamacpp", "ok": True, "seconds": 10.0, "at": 10_000.0 - 15}]
-    assert runner.plan(["llamacpp"], vllm_waits, {}, None, came_in) is None
-    assert runner.decision is not None and runner.decision.reason == "stays after its swap in"
-    came_in[0]["at"] = 10_000.0 - 25
+    assert runner.plan(["llamacpp"], vllm_waits, {"llamacpp": 1}, None, came_in) is None
+    assert runner.decision is not None and runner.decision.reason == "busy"
+    own = {**vllm_waits, LLAMA: queue(2, 1)}  # newcomers for llama.cpp are served first
+    assert runner.plan(["llamacpp"], own, {}, None, came_in) is None
     decision = runner.plan(["llamacpp"], vllm_waits, {}, None, came_in)
     assert decision is not None and (decision.target, decision.reason) == ("vllm", "demand")
+
+
+def test_a_runtime_with_a_stay_serves_it_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    config = parse(ON_DEMAND + "stay_factor = 2\n", tmp_path / "appliance.toml")
+    r = Runner(config, Scope.USER, print, switch=Recorder(), clock=lambda: 10_000.0)
+    # llama.cpp swapped in 15 s ago (its switch took 10 s: it stays 20 s)
+    came_in = [{"to": "llamacpp", "ok": True, "seconds": 10.0, "at": 10_000.0 - 15}]
+    assert r.plan(["llamacpp"], {VLLM: queue(1, 5)}, {}, None, came_in) is None
+    assert r.decision is not None and r.decision.reason == "stays after its swap in"
+    came_in[0]["at"] = 10_000.0 - 25
+    assert r.plan(["llamacpp"], {VLLM: queue(1, 5)}, {}, None, came_in) is not None
 
 
 def test_a_busy_runtime_stays_for_one_request_and_swaps_for_a_batch(runner: Runner) -> None:
@@ -181,7 +195,8 @@ def test_a_pin_holds_off_demand_and_a_starving_request_goes_first_without_one(
 ) -> None:
     long_ago = [{"to": "llamacpp", "ok": True, "seconds": 5.0, "at": 0.0}]
     pin = pins.Pin("llamacpp", 10_000.0 + 600)
-    starving = {VLLM: queue(1, 130)}
+    # waited 240 s of the proxy's 300 s hold: a swap of vLLM's default 60 s ends just in time
+    starving = {VLLM: queue(1, 240)}
     assert runner.plan(["llamacpp"], starving, {"llamacpp": 1}, pin, long_ago) is None
     assert runner.decision is not None and runner.decision.reason == "pinned"
     decision = runner.plan(["llamacpp"], starving, {"llamacpp": 1}, None, long_ago)
@@ -283,6 +298,40 @@ def test_status_shows_the_queues_by_model_the_pin_and_refusals(
     text = "\n".join(_demand_lines(view))
     assert "on demand  yes" in text and "pin       llamacpp until" in text
     assert "refused   vllm for 30 s more: it failed to start on demand: it hung" in text
+
+
+def test_a_swaps_cost_is_its_last_good_start_with_its_present_recipe_and_status_shows_it(
+    tmp_path: Path,
+) -> None:
+    """The drain of what the other runtime served is not the swap's; a start that failed is no
+    cost; a new recipe (install of other args) learns its cost afresh; status shows each."""
+    from appliance.switch.records import read_history, recipe_of, record_switch, swap_costs
+
+    config = parse(ON_DEMAND, tmp_path / "appliance.toml")
+    vllm = recipe_of(config.runtimes["vllm"])
+    record_switch(tmp_path, {"to": "vllm", "ok": True, "seconds": 50.0, "at": 1.0,
+                             "phases": {"drained": 8.0}, "recipe": vllm})  # fmt: skip
+    record_switch(tmp_path, {"to": "vllm", "ok": False, "seconds": 3.0, "at": 2.0, "recipe": vllm})
+    record_switch(tmp_path, {"to": "llamacpp", "ok": True, "seconds": 6.0, "at": 3.0,
+                             "recipe": "an older recipe"})  # fmt: skip
+    history = read_history(tmp_path)
+    took, since = swap_costs(history, config.runtimes)
+    assert took == {"vllm": 42.0} and since == {"vllm": 1.0, "llamacpp": 3.0}
+    assert len(history) == 3
+    view = queues.demand_view(config, tmp_path, None)
+    assert view["costs"] == {
+        "llamacpp": {"seconds": 10.0, "from": "default"},
+        "vllm": {"seconds": 42.0, "from": "records"},
+    }
+    from appliance.cli.output import _demand_lines
+
+    text = "\n".join(_demand_lines(view))
+    assert "swap to   vllm takes 42 s (last switch)" in text
+    assert "swap to   llamacpp takes 10 s (engine's default)" in text
+    other = parse(ON_DEMAND.replace('engine = "vllm"', 'engine = "vllm"\nargs = ["-tp", "2"]', 1),
+                  tmp_path / "appliance.toml")  # fmt: skip
+    assert recipe_of(other.runtimes["vllm"]) != vllm
+    assert swap_costs(history, other.runtimes)[0] == {}
 
 
 def test_purge_removes_every_file_switching_on_demand_makes(tmp_path: Path) -> None:

@@ -160,8 +160,13 @@ def _demand_lines(d: dict[str, Any] | None) -> list[str]:
     lines = []
     if d["on_demand"]:
         why = d.get("decision") or {}
-        order = " (first come, first served)" if d.get("fcfs") else ""
+        order = {"fcfs": " (first come, first served)", "collated": " (collated)"}.get(
+            str(d.get("order")), ""
+        )
         lines.append(f"on demand  yes{order}{'; ' + why['reason'] if why.get('reason') else ''}")
+        for name, cost in (d.get("costs") or {}).items():
+            known = "last switch" if cost["from"] == "records" else "engine's default"
+            lines.append(f"  swap to   {name} takes {cost['seconds']:.0f} s ({known})")
     for q in d["queues"]:
         lines.append(
             f"  queue     {q['waiting']} for {q['model']} ({q['runtime']}), "

@@ -131,6 +131,10 @@ class MonitorConfig:
     fallback: str | None = None
 
 
+# [switching] order: the orders of switching on demand (appliance.switch.demand.policy)
+ORDERS = ("policy", "collated", "fcfs")
+
+
 @dataclass(frozen=True)
 class SwitchingConfig:
     """[switching]: switch on demand, and the policy that decides when (docs/switch.md)."""
@@ -138,14 +142,22 @@ class SwitchingConfig:
     # A request for a name whose runtime does not serve waits at the proxy, and the monitor
     # switches that runtime in when the policy says so (appliance.switch.demand).
     on_demand: bool = False
-    max_wait_s: float = 120.0  # no request waits longer before its runtime goes first
-    stay_factor: float = 2.0  # a runtime serves at least this many times its swap's cost
-    batch: int = 8  # requests waiting for another runtime that are worth draining a busy one
+    # Which runtime serves next (appliance.switch.demand.policy): "policy", "collated" (first
+    # come, first served as llama-swap serves now) or "fcfs" (strict first come, first served:
+    # the requests behind one for another runtime wait)
+    order: str = "policy"
+    # "policy": a request that waited this long once it could be served goes first (None: only
+    # when the proxy's hold would end before its swap did)
+    max_wait_s: float | None = None
+    stay_factor: float = 0.0  # "policy": a runtime serves this many times its swap's cost (0: off)
+    batch: int = 0  # "policy": this many waiting for another swap a busy runtime out (0: off)
     idle_return_s: float | None = None  # back to default_runtime after this long with no request
     backoff_s: float = 60.0  # a runtime that failed to start on demand is not tried for this long
-    # Strict first come, first served instead of the policy (how llama-swap serves): a request
-    # for another runtime swaps as soon as those in flight end, and the requests behind it wait.
-    fcfs: bool = False
+
+    @property
+    def fcfs(self) -> bool:
+        """Strict first come, first served: the proxy keeps a newer request behind an older one."""
+        return self.order == "fcfs"
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from appliance.config.model import (
+    ORDERS,
     BackendConfig,
     MonitorConfig,
     PeersConfig,
@@ -96,23 +97,38 @@ class ServingKeys(Walker):
         self, t: Mapping[str, Any], proxy: ProxyConfig, runtimes: Mapping[str, RuntimeConfig]
     ) -> SwitchingConfig:
         p = "switching."
-        keys = {"on_demand", "max_wait_s", "stay_factor", "batch", "idle_return_s", "backoff_s"}
-        keys.add("fcfs")
+        keys = {"on_demand", "order", "max_wait_s", "stay_factor", "batch", "idle_return_s"}
+        keys |= {"backoff_s", "fcfs"}
         self.known(t, p, keys)
         idle = self.get(t, "idle_return_s", p, float, 0.0, check_range(0, DAY_S))
+        order = self.get(t, "order", p, str, "policy")
+        if order not in ORDERS:
+            raise self.fail(
+                p + "order", f"{order!r} is not an order", "one of " + ", ".join(map(repr, ORDERS))
+            )
+        if self.get(t, "fcfs", p, bool, False):
+            if "order" in t and order != "fcfs":
+                raise self.fail(
+                    p + "fcfs", f"says first come, first served where order is {order!r}",
+                    "keep one of them: order = \"fcfs\" is what fcfs = true meant",
+                )  # fmt: skip
+            order = "fcfs"
         out = SwitchingConfig(
             on_demand=self.get(t, "on_demand", p, bool, False),
-            max_wait_s=self.get(t, "max_wait_s", p, float, 120.0, check_range(0, HOUR_S)),
-            stay_factor=self.get(t, "stay_factor", p, float, 2.0, check_range(0, 100)),
-            batch=self.get(t, "batch", p, int, 8, check_range(1, 100_000)),
+            order=order,
+            max_wait_s=(
+                self.get(t, "max_wait_s", p, float, 0.0, check_range(0, HOUR_S))
+                if "max_wait_s" in t
+                else None
+            ),
+            stay_factor=self.get(t, "stay_factor", p, float, 0.0, check_range(0, 100)),
+            batch=self.get(t, "batch", p, int, 0, check_range(0, 100_000)),
             idle_return_s=idle or None,
             backoff_s=self.get(t, "backoff_s", p, float, 60.0, check_range(0, HOUR_S)),
-            fcfs=self.get(t, "fcfs", p, bool, False),
         )
-        if out.fcfs and not out.on_demand:
-            raise self.fail(
-                p + "fcfs", "is the order of switching on demand", "add on_demand = true"
-            )
+        if (order != "policy" or "order" in t or "fcfs" in t) and not out.on_demand:
+            key = "order" if "order" in t else "fcfs"
+            raise self.fail(p + key, "is the order of switching on demand", "add on_demand = true")
         if not out.on_demand:
             return out
         ports = {rt.port for rt in runtimes.values()}
@@ -123,7 +139,7 @@ class ServingKeys(Walker):
                 "waits for a runtime that does not serve",
                 "give another runtime its own served_model_name and port, or drop on_demand",
             )
-        if out.max_wait_s >= proxy.hold_s:
+        if out.max_wait_s is not None and out.max_wait_s >= proxy.hold_s:
             raise self.fail(
                 p + "max_wait_s",
                 f"{out.max_wait_s:g} s is not below proxy.hold_s ({proxy.hold_s:g} s): a request "

@@ -20,7 +20,7 @@ from appliance.keys import read_key
 from appliance.layout import Layout
 from appliance.switch.interrupts import start_blocked
 from appliance.switch.lock import SwitchLock
-from appliance.switch.records import record_switch
+from appliance.switch.records import recipe_of, record_switch
 from appliance.units import runtimes, systemd
 from appliance.units.serving import Progress, enable_only, wait_started, wait_stopped
 
@@ -215,4 +215,7 @@ class SystemEdges:
         return " ".join(systemd.journal_command(self.lay.scope, unit, 50))
 
     def record(self, record: dict[str, Any]) -> str | None:
+        rt = self.config.runtimes.get(str(record.get("to")))
+        if rt is not None:
+            record = {**record, "recipe": recipe_of(rt)}
         return record_switch(self.lay.state_dir, record)

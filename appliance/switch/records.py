@@ -1,12 +1,16 @@
 """The switch records: the last switch, for `status`, and every switch, oldest first, for the
-status page and the metrics."""
+status page, the metrics and what a swap is expected to cost."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from appliance.config import RuntimeConfig
 from appliance.files import write_atomic
 from appliance.layout import HISTORY, LAST_SWITCH
 
@@ -51,3 +55,38 @@ def last_switch(state_dir: Path) -> dict[str, Any] | None:
     except (FileNotFoundError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def recipe_of(rt: RuntimeConfig) -> str:
+    """A short fingerprint of a runtime's table as the config gives it: a switch's record keeps
+    it, so that a swap's cost is learnt afresh once `install` changed the recipe."""
+    text = json.dumps(dataclasses.asdict(rt), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def swap_costs(
+    history: Sequence[Mapping[str, Any]], runtimes: Mapping[str, RuntimeConfig]
+) -> tuple[dict[str, float], dict[str, float]]:
+    """What each runtime's swap in took last, from the records: its switch time less the drain
+    of what the other runtime still served, from the last switch to it that succeeded with its
+    present recipe (a record without one is from before recipes were kept and counts); and
+    when each runtime's last switch in ended (epoch seconds). A failed start is no cost."""
+    took: dict[str, float] = {}
+    since: dict[str, float] = {}
+    recipes = {name: recipe_of(rt) for name, rt in runtimes.items()}
+    for record in history:
+        to, seconds, at = record.get("to"), record.get("seconds"), record.get("at")
+        if not (record.get("ok") and isinstance(to, str) and isinstance(seconds, int | float)):
+            continue
+        if isinstance(at, int | float):
+            since[to] = float(at)
+        recipe = record.get("recipe")
+        if recipe is not None and recipe != recipes.get(to):
+            continue
+        phases = record.get("phases")
+        drained = phases.get("drained") if isinstance(phases, dict) else None
+        cost = float(seconds)
+        if isinstance(drained, int | float) and 0 <= drained <= cost:
+            cost -= float(drained)
+        took[to] = cost
+    return took, since

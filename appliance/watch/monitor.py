@@ -240,7 +240,7 @@ def _start_demand(config: Config, scope: Scope, log: Any) -> None:
     runner = Runner(config, scope, log)
     start_blocked(threading.Thread(target=runner.run, name="on-demand", daemon=True))
     s = config.switching
-    log(f"switching on demand (max_wait_s {s.max_wait_s:g}, stay_factor {s.stay_factor:g})")
+    log(f"switching on demand (order {s.order})")
 
 
 def sample(

@@ -1,25 +1,41 @@
 """Switch on demand (`[switching] on_demand`): which runtime a card should serve next, when
 requests wait at the proxy for a model whose runtime does not serve. A pure function of what was
-observed (the queues, what serves and since when, what each swap costs) and the policy; the
+observed (the queues, what serves and since when, what each swap costs) and the order; the
 proxy's queue and the switch that applies a decision are elsewhere.
 
 What a swap costs is the runtime's switch time, from its records (a default by engine before its
 first): about 5 s for llama.cpp and 35-55 s for vLLM on the demo's CPU, minutes for vLLM on a
-B70. First-come-first-served swapping (llama-swap, llama.cpp's router) swaps as soon as the
-requests in flight end; under traffic for two models at once it swaps for nearly every request
-and pays the swap each time. The rules, in order:
+B70. Three orders (`[switching] order`):
 
+- `fcfs`, strict first come, first served (llama-swap's order until 2025, llama.cpp's router
+  without its queue): a request for another runtime swaps as soon as those in flight end, and
+  the proxy keeps every newer request behind it, whichever model it asks for.
+- `collated`, first come, first served as llama-swap serves now: the runtime that swapped in
+  takes every request waiting for it, newcomers too, and swaps away only when none is left
+  waiting or in flight, to the runtime of the oldest request waiting for another.
+- `policy` (the default): the collated order, and what it lacks. A request goes first, even
+  while the serving runtime still has work, when the proxy's hold would otherwise end before
+  its swap did (it would be answered 503), or, with `max_wait_s`, once it has waited that
+  long. Its waiting counts from when it could have been served, that is not before the
+  serving runtime's swap in ended, and the runtime that swapped in first serves every request
+  that was waiting for it then. So a swap that costs more than `max_wait_s` is no reason to
+  swap straight back, and no swap is undone before it served. `stay_factor` (a runtime serves
+  at least that many times its swap's cost) and `batch` (that many requests waiting for
+  another swap a busy runtime out) trade latency for fewer swaps; both are off by default.
+
+In every order:
 1. Pinned: a runtime pinned by hand (`b70ctl switch NAME --pin`) serves until the pin ends.
-2. Nothing serves: the waiting runtime with the most demand starts at once.
-3. Starving: a request that has waited `max_wait_s` goes first, whatever else holds.
-4. Stay after a swap in: a runtime serves at least `stay_factor` times what its swap cost before
-   demand swaps it out, so that a costly swap is not thrown away on a lull.
-5. Busy: while the serving runtime has requests in flight, it stays, unless `batch` requests or
-   more wait for another (then the swap is worth a drain).
-6. Otherwise the runtime with the most demand swaps in: most requests waiting, then the most
-   tokens they ask for, then the oldest, then the cheaper swap.
-7. Idle return: with `idle_return_s`, a card idle that long with no queue goes back to its
+2. Nothing serves: the runtime of the oldest waiting request starts at once.
+3. Idle return: with `idle_return_s`, a card idle that long with no queue goes back to its
    default runtime.
+
+Why the collated order at heart: on simulated hours of two models' traffic
+(b70tools.demand_sim, at the demo's swap costs and a B70's), every rule tried that knows what a
+swap costs (stay a multiple of it, wait for a batch, linger after the queue empties, swap for a
+request waiting 120 s) swapped less but made one model's p95 latency 1.1 to 4 times the
+collated order's (docs/switch.md has the tables). The policy this replaced (stay 2 x the cost,
+a batch of 8, 120 s) was one of them. Fewer swaps are only a means; the rule that pays is the
+one against the proxy's 503.
 
 Imported by what applies a decision: nothing but the standard library.
 """
@@ -59,13 +75,23 @@ class Card:
     pinned_s: float = 0.0  # how long a pin by hand still holds it
 
 
+FCFS, COLLATED, POLICY = "fcfs", "collated", "policy"
+ORDERS = (POLICY, COLLATED, FCFS)
+# A request is swapped for this long before the proxy's hold would end, with its swap's cost
+DEADLINE_MARGIN_S = 10.0
+
+
 @dataclass(frozen=True)
 class Policy:
-    max_wait_s: float = 120.0  # no request waits longer before its runtime goes first
-    stay_factor: float = 2.0  # a runtime serves at least this many times its swap's cost
-    batch: int = 8  # requests waiting for another runtime that are worth draining a busy one
+    # `policy`: a request that waited this long once it could be served goes first (None: only
+    # when the proxy's hold would otherwise end before its swap did)
+    max_wait_s: float | None = None
+    stay_factor: float = 0.0  # a runtime serves at least this many times its swap's cost (0: off)
+    batch: int = 0  # this many waiting for another swap a busy runtime out (0: off)
     idle_return_s: float | None = None  # back to the default runtime after this long idle
     default_runtime: str | None = None
+    order: str = POLICY
+    hold_s: float | None = None  # how long the proxy holds a request before it answers 503
 
 
 @dataclass(frozen=True)
@@ -83,27 +109,55 @@ def cost_of(runtime: str, engine: str, switch_times_s: Mapping[str, float]) -> f
 def decide(
     card: Card, waiting: Sequence[Waiting], cost_s: Mapping[str, float], policy: Policy
 ) -> Decision:
-    """What the card should do now. `waiting`: the queues, per runtime; `cost_s`: what a swap to
-    each runtime costs (`cost_of`)."""
+    """What the card should do now. `waiting`: the queues, per runtime, the serving runtime's
+    own among them (requests waiting for one of its places); `cost_s`: what a swap to each
+    runtime costs (`cost_of`), which breaks a tie between two as old."""
     others = [w for w in waiting if w.count > 0 and w.runtime != card.serving]
+    own = [w for w in waiting if w.count > 0 and w.runtime == card.serving]
     if card.pinned_s > 0:
         return Decision(None, "pinned", card.pinned_s)
     if not others:
         return _idle(card, policy)
-    best = max(others, key=lambda w: (w.count, w.tokens, w.oldest_s, -cost_s.get(w.runtime, 0.0)))
-    if card.serving is None:
-        return Decision(best.runtime, DEMAND)
-    starving = [w for w in others if w.oldest_s >= policy.max_wait_s]
-    if starving:
-        return Decision(max(starving, key=lambda w: w.oldest_s).runtime, STARVING)
-    # The first moment a waiting request starves, which the rules below never wait past
-    starves_in = policy.max_wait_s - max(w.oldest_s for w in others)
-    stay_s = policy.stay_factor * cost_s.get(card.serving, FALLBACK_COST_S)
+    first = max(others, key=lambda w: (w.oldest_s, w.count, w.tokens, -cost_s.get(w.runtime, 0.0)))
+    if card.serving is None or policy.order == FCFS:
+        return Decision(first.runtime, DEMAND)
+    if policy.order == COLLATED:
+        if card.in_flight == 0 and not own:
+            return Decision(first.runtime, DEMAND)  # nothing left for it: the next in line
+        return Decision(None, "busy")
+    # What waited for the serving runtime when it swapped in is served before it swaps out
+    if any(w.oldest_s >= card.since_s for w in own):
+        return Decision(None, "serves what waited for its swap in")
+
+    # A request waits from when it could have been served: not before this swap in ended
+    def waited(w: Waiting) -> float:
+        return min(w.oldest_s, card.since_s)
+
+    rechecks = []
+    if policy.hold_s is not None:  # answered 503 when its hold ends: swap while it still can
+
+        def left(w: Waiting) -> float:
+            cost = cost_s.get(w.runtime, FALLBACK_COST_S)
+            return float(policy.hold_s) - DEADLINE_MARGIN_S - cost - w.oldest_s  # type: ignore[arg-type]
+
+        due = min(others, key=left)
+        if left(due) <= 0:
+            return Decision(due.runtime, STARVING)
+        rechecks.append(left(due))
+    if policy.max_wait_s is not None:
+        longest = max(others, key=waited)
+        if waited(longest) >= policy.max_wait_s:
+            return Decision(longest.runtime, STARVING)
+        rechecks.append(policy.max_wait_s - waited(longest))
+    recheck = min(rechecks, default=None)
+    stay_s = policy.stay_factor * cost_s.get(str(card.serving), FALLBACK_COST_S)
     if card.since_s < stay_s:
-        return Decision(None, "stays after its swap in", min(stay_s - card.since_s, starves_in))
-    if card.in_flight > 0 and best.count < policy.batch:
-        return Decision(None, "busy", starves_in)
-    return Decision(best.runtime, DEMAND)
+        return Decision(None, "stays after its swap in", min([*rechecks, stay_s - card.since_s]))
+    if card.in_flight == 0 and not own:
+        return Decision(first.runtime, DEMAND)  # nothing left for it: the next in line
+    if policy.batch > 0 and sum(w.count for w in others) >= policy.batch:
+        return Decision(first.runtime, DEMAND)
+    return Decision(None, "busy", recheck)
 
 
 def _idle(card: Card, policy: Policy) -> Decision:

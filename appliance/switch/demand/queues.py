@@ -11,6 +11,8 @@ from typing import Any
 from appliance import hold
 from appliance.config import Config
 from appliance.switch.demand.pins import read_pin
+from appliance.switch.demand.policy import cost_of
+from appliance.switch.records import read_history, swap_costs
 
 
 def target_of(config: Config, port: int) -> str | None:
@@ -48,9 +50,19 @@ def demand_view(config: Config, state_dir: Path, last: dict[str, Any] | None) ->
     record = hold.read_demand(state_dir)
     refused = record.get("refused")
     pin = read_pin(state_dir, now)
+    took, _ = swap_costs(read_history(state_dir), config.runtimes)
     return {
         "on_demand": config.switching.on_demand,
+        "order": config.switching.order,
         "fcfs": config.switching.fcfs,
+        # what a swap to each runtime is expected to take, and whether its records say so
+        "costs": {
+            name: {
+                "seconds": round(cost_of(name, rt.engine.value, took), 1),
+                "from": "records" if name in took else "default",
+            }
+            for name, rt in sorted(config.runtimes.items())
+        },
         "queues": queues(config, state_dir, now),
         "decision": record.get("decision") if config.switching.on_demand else None,
         "refused": [

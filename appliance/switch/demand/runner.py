@@ -13,7 +13,6 @@ switch as `b70ctl switch` (lock, hold, drain, one StartUnit, verify, rollback).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -29,7 +28,7 @@ from appliance.switch.demand.pins import Pin, read_pin
 from appliance.switch.demand.policy import DEMAND, Card, Decision, Policy, Waiting, cost_of, decide
 from appliance.switch.demand.queues import target_of
 from appliance.switch.lock import switch_running
-from appliance.switch.records import read_history
+from appliance.switch.records import read_history, swap_costs
 from appliance.units import systemd
 from appliance.units.serving import serving_runtimes
 
@@ -38,14 +37,14 @@ SwitchFn = Callable[..., Any]  # apply.switch's signature: (config, scope, name,
 
 
 def policy_of(config: Config) -> Policy:
-    """The config's policy; with [switching] fcfs, first come, first served: any request for
-    another runtime swaps at once (the switch's drain lets those in flight end), no stay, no
-    batch, and the proxy keeps the requests behind it waiting (appliance.proxy.waiting)."""
+    """The config's order; with `fcfs` the proxy also keeps the requests behind one for another
+    runtime waiting (appliance.proxy.waiting)."""
     s = config.switching
     default = config.default_runtime if config.default_runtime in config.runtimes else None
-    if s.fcfs:
-        return Policy(max_wait_s=math.inf, stay_factor=0.0, batch=1, default_runtime=default)
-    return Policy(s.max_wait_s, s.stay_factor, s.batch, s.idle_return_s, default)
+    return Policy(
+        s.max_wait_s, s.stay_factor, s.batch, s.idle_return_s, default, s.order,
+        hold_s=config.proxy.hold_s,
+    )  # fmt: skip
 
 
 class Runner:
@@ -123,16 +122,9 @@ class Runner:
     def costs(
         self, history: Sequence[Mapping[str, Any]]
     ) -> tuple[dict[str, float], dict[str, float]]:
-        """Each runtime's swap cost (its last good switch's time, else its engine's default)
-        and when its last switch in ended (epoch seconds), from the records."""
-        took: dict[str, float] = {}
-        since: dict[str, float] = {}
-        for record in history:
-            to, seconds, at = record.get("to"), record.get("seconds"), record.get("at")
-            if record.get("ok") and isinstance(to, str) and isinstance(seconds, int | float):
-                took[to] = float(seconds)
-                if isinstance(at, int | float):
-                    since[to] = float(at)
+        """Each runtime's swap cost (records.swap_costs, else its engine's default) and when its
+        last switch in ended (epoch seconds)."""
+        took, since = swap_costs(history, self.config.runtimes)
         costs = {
             name: cost_of(name, rt.engine.value, took) for name, rt in self.config.runtimes.items()
         }
