@@ -299,6 +299,8 @@ def render_plan(p: Any, serve: Any = None, compared: Any = None) -> str:
             else ""
         ),
         f"profile on {card:<12}{size(p.profile_bytes)} (the peak of vLLM's start-up profile)",
+        f"held back on {card:<10}{size(p.held_back_bytes)} (for --max-num-seqs and a second "
+        "card, as the B70 logs show)",
         f"GDN state per request  {p.gdn_state_bytes / mib:.1f} MiB "
         f"(+ conv state {p.conv_state_bytes / mib:.2f} MiB)",
         f"KV cache per token     {p.kv_bytes_per_token / 1024:.1f} KiB",

@@ -101,6 +101,7 @@ class Plan:
     cpu_offload_bytes: int  # per card
     available_kv_bytes: int  # per card: vLLM's "Available KV cache memory"
     profile_bytes: int  # per card: the start-up profile's peak, kept back from the cache
+    held_back_bytes: int  # per card: what the logs show kept back beside (sequences, cards)
     requests_fit: int  # of `tokens`, as vLLM lays out the cache (paging)
     block_size: int
     state_padding: float
@@ -254,8 +255,9 @@ def plan(
     profile = int(PROFILE_SCALE * profile_peak_bytes(s, cards, batched, seqs, dtype))
     loaded = per_card - offload if weights_per_card is None else weights_per_card
     utilization = serve.gpu_memory_utilization
-    kept = loaded + profile + non_torch_bytes  # what is not the cache, on each card
-    kept += PER_SEQUENCE_BYTES * min(seqs, SEQUENCES_MEASURED) + SECOND_CARD_BYTES * (cards > 1)
+    held_back = non_torch_bytes + PER_SEQUENCE_BYTES * min(seqs, SEQUENCES_MEASURED)
+    held_back += SECOND_CARD_BYTES * (cards > 1)
+    kept = loaded + profile + held_back  # what is not the cache, on each card
     given = serve.kv_cache_memory_bytes or cache_bytes
     available = given if given is not None else int(utilization * card_bytes) - kept
     if block_align is None:
@@ -288,6 +290,7 @@ def plan(
         gdn_state_bytes=gdn, conv_state_bytes=conv, kv_bytes_per_token=kv,
         request_bytes=gdn + conv + kv * tokens, cards=cards, weight_bytes_per_card=loaded,
         cpu_offload_bytes=offload, available_kv_bytes=available, profile_bytes=profile,
+        held_back_bytes=held_back,
         requests_fit=pages.requests_fit, block_size=pages.block_size,
         state_padding=pages.state_padding, kv_cache_tokens=pages.kv_cache_tokens,
         max_concurrency=pages.max_concurrency, max_model_len=max_len, tokens=tokens, fits=fits,
