@@ -7,9 +7,9 @@ What a swap costs is the runtime's switch time, from its records (a default by e
 first): about 5 s for llama.cpp and 35-55 s for vLLM on the demo's CPU, minutes for vLLM on a
 B70. Three orders (`[switching] order`):
 
-- `fcfs`, strict first come, first served (llama-swap's order until 2025, llama.cpp's router
-  without its queue): a request for another runtime swaps as soon as those in flight end, and
-  the proxy keeps every newer request behind it, whichever model it asks for.
+- `fcfs`, strict first come, first served (llama-swap's order before its queue collated,
+  llama.cpp's router without its queue): a request for another runtime swaps as soon as those
+  in flight end, and the proxy keeps every newer request behind it, whichever model it asks for.
 - `collated`, first come, first served as llama-swap serves now: the runtime that swapped in
   takes every request waiting for it, newcomers too, and swaps away only when none is left
   waiting or in flight, to the runtime of the oldest request waiting for another.
