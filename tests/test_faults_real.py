@@ -353,6 +353,20 @@ def test_the_proxy_killed_under_load_comes_back(appliance: Appliance) -> None:
     assert appliance.json("status")["result"]["proxy"]["healthy"]
 
 
+def test_a_switch_asked_as_the_proxy_dies_waits_for_systemd_to_bring_it_back(
+    appliance: Appliance,
+) -> None:
+    """The proxy killed, and a switch asked at once: systemd is restarting the proxy, so the
+    switch waits for it instead of refusing it as down, then switches and verifies through it."""
+    appliance.b70ctl("switch", "llamacpp", check=True)
+    os.kill(live_pid(appliance, "b70-litellm.service"), signal.SIGKILL)
+    out = appliance.b70ctl("switch", "llamacpp-b")
+    assert out.returncode == 0, out.stderr
+    assert appliance.manager.systemctl("is-active", "b70-litellm.service").strip() == "active"
+    assert appliance.json("status")["result"]["proxy"]["healthy"]
+    appliance.b70ctl("switch", "llamacpp", check=True)
+
+
 # A full file system over DIR ($1) holding what SAVED ($2) held: a 1 MiB tmpfs, then filled.
 FILL = """
 mount -t tmpfs -o size=1m b70-full "$1"

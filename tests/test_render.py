@@ -332,3 +332,33 @@ def test_peers_are_deployments_of_the_same_names_and_the_proxy_may_reach_them(
     assert "IPAddressDeny" not in proxy
     units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
     assert analyze_verify(verify_root(tmp_path, files), units) == ""
+
+
+class _States:
+    """The proxy's ActiveState as a manager would report it, one answer per question."""
+
+    def __init__(self, *states: str) -> None:
+        self.states, self.waits = list(states), 0
+
+    def active_state(self, name: str) -> str:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def wait_change(self, timeout_s: float) -> None:
+        self.waits += 1
+
+
+def test_a_switch_waits_for_a_proxy_on_its_way_back_and_not_for_one_that_is_down() -> None:
+    """Preflight asked while systemd restarts the proxy (deactivating, then activating) waits for
+    it to be active; a proxy that is failed or inactive is answered at once, and one that never
+    arrives is given up after the timeout, in its last state."""
+    from appliance.switch import preflight
+
+    back = _States("deactivating", "activating", "activating", "active")
+    assert preflight.proxy_settled(back, 30) == "active"  # type: ignore[arg-type]
+    assert back.waits == 3
+    for down in ("failed", "inactive"):
+        states = _States(down)
+        assert preflight.proxy_settled(states, 30) == down  # type: ignore[arg-type]
+        assert states.waits == 0
+    stuck = _States("activating")
+    assert preflight.proxy_settled(stuck, 0.05) == "activating"  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError
@@ -22,7 +23,7 @@ def preflight(config: Config, lay: Layout, sd: systemd.Systemd, target: RuntimeC
         raise _preflight(f"systemd has not loaded {target.unit}", "run `b70ctl install`")
     check_runtime_files(config, target)
     check_port(sd, [rt.unit for rt in config.runtimes.values()], target.port, "backend", config)
-    if sd.active_state(PROXY_UNIT) != "active":
+    if proxy_settled(sd) != "active":
         raise _preflight(
             f"the proxy {PROXY_UNIT} is not active, so no switch could be verified",
             f"start it: {systemd.systemctl_command(lay.scope)} start {PROXY_UNIT}",
@@ -103,6 +104,23 @@ def check_installed(config: Config, lay: Layout, names: tuple[str, ...]) -> None
                 f"{dest} differs from what {config.path} renders",
                 "run `b70ctl render --diff` to see how, then `b70ctl install`",
             )
+
+
+# How long a switch waits for a proxy on its way up or back (systemd restarting it after a crash, or
+# a start the operator began): LiteLLM's start takes about 15 s on the demo's CPU.
+PROXY_SETTLE_S = 120.0
+IN_TRANSIT = ("activating", "deactivating", "reloading")
+
+
+def proxy_settled(sd: systemd.Systemd, timeout_s: float = PROXY_SETTLE_S) -> str:
+    """The proxy's state once it is no longer on its way somewhere, or after `timeout_s`: a switch
+    asked while systemd restarts the proxy waits for it, and refuses only one that stays down."""
+    deadline = time.monotonic() + timeout_s
+    state = sd.active_state(PROXY_UNIT)
+    while state in IN_TRANSIT and (left := deadline - time.monotonic()) > 0:
+        sd.wait_change(min(left, 1.0))
+        state = sd.active_state(PROXY_UNIT)
+    return state
 
 
 def _preflight(message: str, hint: str) -> ApplianceError:
