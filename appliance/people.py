@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from appliance.files import write_atomic
-from appliance.hold import HELD_DIR
 
 KEYS_FILE = "keys.json"
 KEYS_LOCK = "keys.lock"  # an flock only, beside the file, which is replaced on every change
@@ -54,6 +53,14 @@ SECRET_PREFIX = "sk-b70-"
 
 
 @dataclass(frozen=True)
+class Revoked:
+    """A key revoked on this door: when, by its clock, and over which change of the fleet's."""
+
+    at: float
+    base: int = 0
+
+
+@dataclass(frozen=True)
 class Person:
     """One key: whose, its secret's SHA-256, and the limits the door keeps it to (None: none)."""
 
@@ -63,8 +70,9 @@ class Person:
     rpm: int | None = None  # requests a minute
     tpm: int | None = None  # tokens a minute, in and out
     priority: str = INTERACTIVE
-    created: float = 0.0  # epoch seconds
+    created: float = 0.0  # epoch seconds, by the clock of the door that made it
     rotated: float | None = None
+    base: int = 0  # in a fleet: the order number of the change it was made over (keyorder)
 
     @property
     def limited(self) -> bool:
@@ -133,14 +141,21 @@ def parse_keys(text: str) -> dict[str, Person]:
     return out
 
 
-def parse_revoked(text: str) -> dict[str, float]:
-    """When each key that was revoked here was revoked (what peers learn through Redis)."""
-    revoked = _data(text).get("revoked", {})
-    return {
-        str(n): float(t)
-        for n, t in revoked.items()
-        if name_problem(str(n)) is None and isinstance(t, int | float) and not isinstance(t, bool)
-    }
+def parse_revoked(text: str) -> dict[str, Revoked]:
+    """The keys revoked here, each as when and over what (what peers learn through Redis); an
+    entry that is a bare time is one an earlier version wrote, over nothing."""
+    out: dict[str, Revoked] = {}
+    for name, entry in _data(text).get("revoked", {}).items():
+        at, base = (
+            (entry.get("at"), entry.get("base", 0)) if isinstance(entry, dict) else (entry, 0)
+        )
+        if name_problem(str(name)) is None and isinstance(at, int | float) and _time(at):
+            out[str(name)] = Revoked(float(at), base if _count(base) else 0)
+    return out
+
+
+def _time(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def person_of(name: str, entry: object) -> Person | None:
@@ -152,6 +167,7 @@ def person_of(name: str, entry: object) -> Person | None:
         limits = [entry.get(k) for k in ("max_parallel", "rpm", "tpm")]
         priority, created = entry.get("priority", INTERACTIVE), float(entry["created"])
         rotated = entry.get("rotated")
+        base = entry.get("base", 0)
     except (KeyError, TypeError, ValueError):
         return None
     bad_limit = any(not _count(v) for v in limits if v is not None)
@@ -161,6 +177,7 @@ def person_of(name: str, entry: object) -> Person | None:
     return Person(
         name, digest, max_parallel, rpm, tpm, priority, created,
         float(rotated) if isinstance(rotated, int | float) else None,
+        base if _count(base) else 0,
     )  # fmt: skip
 
 
@@ -171,14 +188,20 @@ def _count(value: object) -> bool:
 def entry_of(person: Person) -> dict[str, object]:
     """A key as the file (and the fleet's Redis) keeps it: its hash, never its secret."""
     public = {k: v for k, v in person.public().items() if k != "name"}
-    return {"sha256": person.digest.hex(), **public}
+    entry: dict[str, object] = {"sha256": person.digest.hex(), **public}
+    if person.base:
+        entry["base"] = person.base
+    return entry
 
 
-def dump_keys(people: Mapping[str, Person], revoked: Mapping[str, float] | None = None) -> str:
+def dump_keys(people: Mapping[str, Person], revoked: Mapping[str, Revoked] | None = None) -> str:
     keys = {p.name: entry_of(p) for p in sorted(people.values(), key=lambda p: p.name)}
     data: dict[str, object] = {"version": 1, "keys": keys}
     if revoked:
-        data["revoked"] = dict(sorted(revoked.items()))
+        data["revoked"] = {
+            name: {"at": r.at, **({"base": r.base} if r.base else {})}
+            for name, r in sorted(revoked.items())
+        }
     return json.dumps(data, indent=2) + "\n"
 
 
@@ -205,7 +228,7 @@ def read_keys(state_dir: Path) -> dict[str, Person]:
         raise KeysUnreadable(path, str(e)) from None
 
 
-def read_revoked(state_dir: Path) -> dict[str, float]:
+def read_revoked(state_dir: Path) -> dict[str, Revoked]:
     try:
         return parse_revoked((state_dir / KEYS_FILE).read_text())
     except (OSError, UnicodeDecodeError, ValueError):
@@ -226,10 +249,13 @@ class Edited(dict[str, Person]):
 
 
 @contextmanager
-def editing(state_dir: Path, owner: int | None = None) -> Iterator[dict[str, Person]]:
+def editing(
+    state_dir: Path, owner: int | None = None, base_of: Callable[[str], int] | None = None
+) -> Iterator[dict[str, Person]]:
     """The people, to change in the block; written back whole, atomically and synced, when the
     block ends without an error. One `keys` command at a time (an flock): none loses another's
-    change. `owner`: the uid the file belongs to (the proxy's user on a system install)."""
+    change. `owner`: the uid the file belongs to (the proxy's user on a system install);
+    `base_of`: in a fleet, the number of a name's last change there (appliance.keyorder)."""
     state_dir.mkdir(parents=True, exist_ok=True)
     fd = os.open(state_dir / KEYS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -237,11 +263,23 @@ def editing(state_dir: Path, owner: int | None = None) -> Iterator[dict[str, Per
         people = Edited(read_keys(state_dir))
         before = dict(people)
         yield people
-        # A key taken away is kept as when it was revoked, for the peers (fleet_view); one made
-        # again under its name is not.
+        # In a fleet, each change is made over the fleet's last change of its name as this door
+        # knows it: its base.
+        base = base_of or (lambda name: 0)
+        for name, person in list(people.items()):
+            if before.get(name) != person:
+                dict.__setitem__(people, name, replace(person, base=base(name)))
+        # A key taken away is kept as revoked, for the peers (keyorder); one made again under
+        # its name is not.
         was = read_revoked(state_dir)
-        revoked = {n: t for n, t in was.items() if n not in people}
-        revoked.update({n: time.time() for n in people.seen if n not in people and n not in was})
+        revoked = {n: r for n, r in was.items() if n not in people}
+        revoked.update(
+            {
+                n: Revoked(time.time(), base(n))
+                for n in people.seen  # revoked in this block, again or for the first time
+                if n not in people
+            }
+        )
         if dict(people) != before or revoked != was:
             text = dump_keys(people, revoked)
             write_atomic(state_dir / KEYS_FILE, text, mode=0o600, owner=owner)
@@ -259,68 +297,6 @@ def rotated(people: dict[str, Person], name: str, secret: str) -> Person:
     person = replace(people[name], digest=digest_of(secret), rotated=time.time())
     people[name] = person
     return person
-
-
-# --- the fleet's keys ----------------------------------------------------------------------------
-
-# Front doors that share a Redis ([peers] redis_host) share their keys in one hash: name -> the
-# file's entry, or {"revoked": when}. A change on any door reaches the others within a second or
-# two (appliance.proxy.share.fleet); the latest change of a name wins, and a revocation wins a tie.
-FLEET_KEYS = "b70:keys"
-FLEET_FILE = "keys-fleet.json"  # in HELD_DIR: the fleet's hash as the proxy last read it
-
-
-def read_fleet(state_dir: Path) -> dict[str, object]:
-    """The fleet's hash as this door's proxy last read it (FLEET_FILE): {} without a fleet, or
-    when the file cannot be read."""
-    try:
-        data = json.loads((state_dir / HELD_DIR / FLEET_FILE).read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return {}
-    return {str(n): e for n, e in data.items()} if isinstance(data, dict) else {}
-
-
-def keys_in_force(state_dir: Path) -> tuple[dict[str, Person], dict[str, Person]]:
-    """This door's own keys, and the keys in force on it: its own with the fleet's, as the proxy
-    last read them (the same as its own without a fleet). KeysUnreadable as read_keys."""
-    local = read_keys(state_dir)
-    view, _ = fleet_view(local, read_revoked(state_dir), read_fleet(state_dir))
-    return local, view
-
-
-def changed_at(person: Person) -> float:
-    return max(person.created, person.rotated or 0.0)
-
-
-def fleet_view(
-    local: Mapping[str, Person], revoked: Mapping[str, float], remote: Mapping[str, object]
-) -> tuple[dict[str, Person], dict[str, dict[str, object]]]:
-    """The keys in force on a door of a fleet, from its own file (`local`, `revoked`) and the
-    fleet's hash (`remote`, parsed JSON), and what of its own the hash lacks or has older (to
-    write there)."""
-    latest: dict[str, tuple[float, bool, Person | None]] = {}  # when, revoked, whose
-
-    def offer(name: str, when: float, gone: bool, person: Person | None) -> None:
-        was = latest.get(name)
-        if was is None or (when, gone) > (was[0], was[1]):
-            latest[name] = (when, gone, person)
-
-    for name, entry in remote.items():
-        if isinstance(entry, dict) and isinstance(entry.get("revoked"), int | float):
-            offer(name, float(entry["revoked"]), True, None)
-        elif (person := person_of(name, entry)) is not None:
-            offer(name, changed_at(person), False, person)
-    theirs = dict(latest)
-    for name, person in local.items():
-        offer(name, changed_at(person), False, person)
-    for name, when in revoked.items():
-        offer(name, when, True, None)
-    publish: dict[str, dict[str, object]] = {}
-    for name, (when, gone, person) in latest.items():
-        if theirs.get(name) != (when, gone, person):
-            publish[name] = {"revoked": when} if person is None else entry_of(person)
-    people = {n: p for n, (_, gone, p) in latest.items() if not gone and p is not None}
-    return people, publish
 
 
 # --- who sent a request --------------------------------------------------------------------------
@@ -361,10 +337,14 @@ class KeyRing:
         self.clock = clock
         self.log = log
         self.people: dict[str, Person] = {}
-        self.revoked: dict[str, float] = {}
-        # The fleet's hash as last read (appliance.proxy.share.fleet sets it; None: this door
-        # alone), and the keys in force from it and this file, made again when either changes.
+        self.revoked: dict[str, Revoked] = {}
+        # The fleet's hash as last read and the order numbers of this door's changes
+        # (appliance.proxy.share.fleet sets them; None: this door alone), and the keys in force
+        # from them and this file, made again when either changes.
         self.remote: Mapping[str, object] | None = None
+        self.settled: Mapping[str, int] = {}
+        # How they are merged with this door's file (FleetKeys sets appliance.keyorder's)
+        self.merge: Callable[..., dict[str, Person]] | None = None
         self.fleet: dict[str, Person] = {}
         self.changes = 0  # of the file's keys or the fleet's hash
         self.merged = -1  # the changes the fleet's keys were made from
@@ -379,15 +359,16 @@ class KeyRing:
         self.local()
         if self.remote is None:
             return self.people
-        if self.changes != self.merged:  # the file or the fleet's hash changed: merged at once
-            self.fleet, _ = fleet_view(self.people, self.revoked, self.remote)
+        if self.changes != self.merged and self.merge is not None:  # merged at once
+            self.fleet = self.merge(self.people, self.revoked, self.remote, self.settled)
             self.merged = self.changes
         return self.fleet
 
-    def take_remote(self, remote: Mapping[str, object]) -> None:
-        """The fleet's hash as just read (appliance.proxy.share.fleet)."""
-        if remote != self.remote:
-            self.remote = dict(remote)
+    def take_remote(self, remote: Mapping[str, object], settled: Mapping[str, int]) -> None:
+        """The fleet's hash as just read, and the numbers of this door's changes
+        (appliance.proxy.share.fleet)."""
+        if remote != self.remote or settled != self.settled:
+            self.remote, self.settled = dict(remote), dict(settled)
             self.changes += 1
 
     def local(self) -> Mapping[str, Person]:

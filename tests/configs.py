@@ -396,6 +396,21 @@ PEERS = [
         "peers.redis_host: is for front doors with peers",
     ),
     (
+        "redis tls without redis",
+        GOOD + '[peers]\nurls = ["http://a:8000"]\nredis_tls = true\n',
+        "peers.redis_tls: is for a shared Redis: set peers.redis_host",
+    ),
+    (
+        "redis ca without tls",
+        GOOD + '[peers]\nurls = ["http://a:8000"]\nredis_host = "r"\nredis_ca = "/ca.pem"\n',
+        "peers.redis_ca: is for a Redis that speaks TLS: set redis_tls = true",
+    ),
+    (
+        "redis tls not a boolean",
+        GOOD + '[peers]\nurls = ["http://a:8000"]\nredis_host = "r"\nredis_tls = "yes"\n',
+        "peers.redis_tls",
+    ),
+    (
         "peers without the door's way",
         GOOD.replace('model = "smollm2"', 'model = "smollm2"\npass_through = false')
         + '[peers]\nurls = ["http://a:8000"]\n',

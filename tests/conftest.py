@@ -424,3 +424,46 @@ memory_needed_gib = 1
             yield app
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def redis_server(
+    password: str | None = None, tls: tuple[Path, Path] | None = None
+) -> Iterator[int]:
+    """A real redis-server on loopback, stopped after: its port. `password`: it asks for one
+    (requirepass); `tls`: (certificate, key), and it speaks TLS alone on that port."""
+    import redis
+
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server is not installed: scripts/bootstrap --test installs it (as root)")
+    port = free_port()
+    args = [server, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    if tls is None:
+        args += ["--port", str(port)]
+    else:
+        args += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(tls[0]),
+                 "--tls-key-file", str(tls[1]), "--tls-auth-clients", "no"]  # fmt: skip
+    if password is not None:
+        args += ["--requirepass", password]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(
+        port=port, password=password, ssl=tls is not None, ssl_ca_certs=str(tls[0]) if tls else None,
+        socket_timeout=2,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if client.ping():
+                    break
+            except (redis.RedisError, OSError):
+                pass
+            assert proc.poll() is None, f"redis-server exited {proc.returncode}"
+            assert time.monotonic() < deadline, "redis-server did not start"
+            time.sleep(0.05)
+        yield port
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)

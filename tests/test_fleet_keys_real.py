@@ -2,12 +2,15 @@
 private user managers, each listing the other in [peers], with one real redis-server. A key made
 with `b70ctl keys add` on one door works on the other within seconds, as the OpenAI SDK sees it;
 rotated on the other, the new secret works on the first and the old one stops; revoked, it stops
-on both."""
+on both.
+
+The doors' clocks are twenty minutes apart: A's runs ten minutes fast and B's ten minutes slow
+(libfaketime, for each door's proxy and its `b70ctl`), so only the fleet's own order can put
+their changes right. Their Redis speaks TLS alone and asks for a password."""
 
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -18,11 +21,20 @@ from typing import Any
 import pytest
 
 from b70tools.net import free_port
-from tests.conftest import Appliance, demo_config_text, require_real_parts, running_manager
+from tests.conftest import (
+    Appliance,
+    demo_config_text,
+    redis_server,
+    require_real_parts,
+    running_manager,
+)
 
 pytestmark = pytest.mark.real
 
 SECONDS = 10.0  # a change reaches the other door within a second or two; this is the test's bound
+LIBFAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+SKEW = {"a": "+10m", "b": "-10m"}  # each door's clock, as libfaketime's FAKETIME spells it
+REDIS_PASSWORD = "fleet-" + "x" * 24
 
 
 @dataclass
@@ -34,27 +46,32 @@ class Doors:
 @pytest.fixture(scope="module")
 def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
     require_real_parts()
-    redis_server = shutil.which("redis-server")
-    if redis_server is None:
-        pytest.fail("redis-server is not installed: scripts/bootstrap --test installs it (as root)")
+    if not LIBFAKETIME.exists():
+        pytest.fail(f"{LIBFAKETIME} is missing: scripts/bootstrap --test installs faketime")
+    from appliance.deploy.certificate import make_self_signed
+
     root = tmp_path_factory.mktemp("fleetkeys")
-    redis_port = free_port()
+    cert, key = root / "redis.crt", root / "redis.key"
+    pem, key_pem = make_self_signed((["localhost"], ["127.0.0.1"]))
+    cert.write_text(pem)
+    key.write_text(key_pem)
     ports = {name: (free_port(), free_port()) for name in ("a", "b")}
     with ExitStack() as stack:
-        redis = subprocess.Popen(
-            [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        stack.callback(redis.wait, 10)
-        stack.callback(redis.terminate)
+        redis_port = stack.enter_context(redis_server(REDIS_PASSWORD, (cert, key)))
         boxes = {}
         for name, other in (("b", "a"), ("a", "b")):
             manager = stack.enter_context(running_manager(root / name))
+            # (its monotonic clock moves with it: Python's time.sleep fails with EINVAL when
+            # libfaketime leaves it alone, FAKETIME_DONT_FAKE_MONOTONIC)
+            skew = {"LD_PRELOAD": str(LIBFAKETIME), "FAKETIME": SKEW[name]}
+            for k, v in skew.items():  # its proxy's clock, and its b70ctl's
+                manager.systemctl("set-environment", f"{k}={v}")
+                manager.env[k] = v
             proxy, backend = ports[name]
             extra = (
                 f'\n[peers]\nurls = ["http://127.0.0.1:{ports[other][0]}"]\n'
                 f'redis_host = "127.0.0.1"\nredis_port = {redis_port}\n'
+                f'redis_tls = true\nredis_ca = "{cert}"\n'
             )
             config = root / name / "appliance.toml"
             config.write_text(demo_config_text(proxy, backend, extra))
@@ -66,6 +83,10 @@ def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
                 (key_dir / "proxy.env").chmod(0o600)
             box = Appliance(manager, config, proxy, backend)
             box.b70ctl("install", "--no-now", check=True)  # the doors alone: no runtime
+            env_file = Path(manager.env["XDG_CONFIG_HOME"]) / "b70" / "proxy.env"
+            if "REDIS_PASSWORD=" not in env_file.read_text():  # B's; A took B's file
+                with env_file.open("a") as f:
+                    f.write(f"REDIS_PASSWORD={REDIS_PASSWORD}\n")
             box.manager.systemctl("start", "b70-litellm.service")
             stack.callback(box.b70ctl, "uninstall", "--purge")
             boxes[name] = box

@@ -1,13 +1,13 @@
 """The limits of people's keys across front doors that share a Redis (appliance.proxy.share.fleet.
 FleetLimits), against a real redis-server: the same contract as one door's file (tests/
 test_people.py, "limits"), kept across two doors; a door's worker that died holds no places; and
-Redis that cannot be reached leaves each door its own counts."""
+Redis that cannot be reached leaves each door its own counts. The minute is Redis's own (TIME):
+the doors' clocks are set ten minutes apart, one each way, and count for nothing; the tests that
+let it pass shorten it to a few seconds of Redis's time."""
 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -19,49 +19,32 @@ from appliance import people
 from appliance.proxy.checks import Refusal
 from appliance.proxy.share import fleet
 from b70tools.net import free_port
+from tests.conftest import redis_server
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
 def redis_port() -> Iterator[int]:
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.fail("redis-server is not installed: scripts/bootstrap --test installs it (as root)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 10
-        while (
-            subprocess.run(
-                ["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True
-            ).stdout.strip()
-            != "PONG"
-        ):
-            assert time.monotonic() < deadline, "redis-server did not start"
-            time.sleep(0.05)
+    with redis_server() as port:
         yield port
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 Doors = tuple[fleet.FleetLimits, fleet.FleetLimits]
+WINDOW_S = 6.0  # the limits' minute, shortened to let it pass
+SKEW_S = 600.0  # each door's clock, off Redis's one way or the other
 
 
-def _run(
-    tmp_path: Path, port: int, now: list[float], test: Callable[[Doors], Awaitable[None]]
-) -> None:
+def _run(tmp_path: Path, port: int, test: Callable[[Doors], Awaitable[None]]) -> None:
     """`test` with two doors' limits on one Redis (fresh for the test), each beating."""
 
     async def main() -> None:
         doors = []
         for name in ("a", "b"):
             client = redis.asyncio.Redis(port=port, socket_timeout=2)
-            door = fleet.FleetLimits(tmp_path / name, client, clock=lambda: now[0])
+            skew = SKEW_S if name == "a" else -SKEW_S
+            door = fleet.FleetLimits(tmp_path / name, client, clock=lambda s=skew: time.time() + s)
+            door.window_s = WINDOW_S
             door.worker = f"{name}:{door.worker}"
             doors.append(door)
         await doors[0].redis.flushall()
@@ -98,53 +81,59 @@ def test_requests_at_once_count_across_doors(tmp_path: Path, redis_port: int) ->
         await _ended(a, bob, 10)
         await b.admit_async(bob)
 
-    _run(tmp_path, redis_port, [1000.0], test)
+    _run(tmp_path, redis_port, test)
 
 
 def test_requests_a_minute_count_across_doors_and_say_when_the_oldest_leaves(
     tmp_path: Path, redis_port: int
 ) -> None:
-    now = [1000.0]
     bob = people.Person("bob", b"x" * 32, rpm=3)
 
     async def test(doors: Doors) -> None:
         a, b = doors
+        start = time.monotonic()
         for step in range(3):
-            now[0] = 1000.0 + 10 * step
+            await _until(start + 1.0 * step)
             door = (a, b)[step % 2]
             await door.admit_async(bob)
             await _ended(door, bob, 0)
-        now[0] = 1025.0
+        await _until(start + 3.5)
         with pytest.raises(Refusal) as refused:
             await b.admit_async(bob)
-        assert refused.value.headers["Retry-After"] == "35"  # the first leaves at 1060
-        now[0] = 1060.5
+        assert refused.value.headers["Retry-After"] == "3"  # the first leaves at 6 s
+        await _until(start + WINDOW_S + 0.5)
         await b.admit_async(bob)
 
-    _run(tmp_path, redis_port, now, test)
+    _run(tmp_path, redis_port, test)
 
 
 def test_tokens_a_minute_count_what_the_answers_used_on_every_door(
     tmp_path: Path, redis_port: int
 ) -> None:
-    now = [1000.0]
     bob = people.Person("bob", b"x" * 32, tpm=100)
 
     async def test(doors: Doors) -> None:
         a, b = doors
+        start = time.monotonic()
         await a.admit_async(bob)
         await _ended(a, bob, 60)
-        now[0] = 1030.0
+        await _until(start + 3.0)
         await b.admit_async(bob)
         await _ended(b, bob, 50)
+        await _until(start + 3.5)
         with pytest.raises(Refusal) as refused:
             await a.admit_async(bob)
-        assert refused.value.headers["Retry-After"] == "30"
+        assert refused.value.headers["Retry-After"] == "3"
         assert "used 110 tokens" in refused.value.message
-        now[0] = 1060.5  # the first 60 left: 50 in the minute
+        await _until(start + WINDOW_S + 0.5)  # the first 60 left: 50 in the minute
         await a.admit_async(bob)
 
-    _run(tmp_path, redis_port, now, test)
+    _run(tmp_path, redis_port, test)
+
+
+async def _until(when: float) -> None:
+    """Wait until time.monotonic() reads `when`."""
+    await asyncio.sleep(max(0.0, when - time.monotonic()))
 
 
 def test_a_worker_without_a_heartbeat_holds_no_places(tmp_path: Path, redis_port: int) -> None:
@@ -159,7 +148,7 @@ def test_a_worker_without_a_heartbeat_holds_no_places(tmp_path: Path, redis_port
         b.open.clear()  # (and it beats no more)
         await a.admit_async(bob)
 
-    _run(tmp_path, redis_port, [1000.0], test)
+    _run(tmp_path, redis_port, test)
 
 
 def test_redis_out_of_reach_leaves_each_door_its_own_counts_and_says_so_once(

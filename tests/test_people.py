@@ -373,44 +373,6 @@ def test_only_the_master_key_passes_a_switchs_hold_with_its_token(tmp_path: Path
 # --- the fleet's keys (front doors that share a Redis) --------------------------------------------
 
 
-def _person(name: str, secret: str, when: float, rotated: float | None = None) -> people.Person:
-    return people.Person(name, people.digest_of(secret), created=when, rotated=rotated)
-
-
-def test_the_latest_change_of_a_name_wins_across_the_fleet() -> None:
-    mine = {"alice": _person("alice", "a1", 10.0), "bob": _person("bob", "b1", 10.0)}
-    theirs = {
-        "alice": people.entry_of(_person("alice", "a2", 10.0, rotated=20.0)),  # rotated there
-        "bob": {"revoked": 5.0},  # revoked before this door made it again
-        "carol": people.entry_of(_person("carol", "c1", 30.0)),  # made there
-        "dave": {"revoked": 40.0},
-    }
-    view, publish = people.fleet_view(mine, {"dave": 35.0, "erin": 50.0}, theirs)
-    assert sorted(view) == ["alice", "bob", "carol"]
-    assert view["alice"].digest == people.digest_of("a2")
-    assert publish == {"bob": people.entry_of(mine["bob"]), "erin": {"revoked": 50.0}}
-
-
-def test_a_revocation_wins_a_tie_and_bad_entries_are_passed_over() -> None:
-    mine = {"alice": _person("alice", "a1", 10.0)}
-    view, publish = people.fleet_view(
-        mine, {}, {"alice": {"revoked": 10.0}, "bad name!": {"sha256": "00"}, "x": "junk"}
-    )
-    assert view == {} and publish == {}
-
-
-def test_a_revoked_key_is_kept_as_when_it_was_revoked_until_made_again(tmp_path: Path) -> None:
-    with people.editing(tmp_path) as everyone:
-        people.added(everyone, "alice", people.new_secret())
-    with people.editing(tmp_path) as everyone:
-        del everyone["alice"]
-    revoked = people.read_revoked(tmp_path)
-    assert list(revoked) == ["alice"] and people.read_keys(tmp_path) == {}
-    with people.editing(tmp_path) as everyone:
-        people.added(everyone, "alice", people.new_secret())
-    assert people.read_revoked(tmp_path) == {} and list(people.read_keys(tmp_path)) == ["alice"]
-
-
 def test_the_fleets_usage_adds_every_hour_and_door_and_passes_over_what_is_not_a_count() -> None:
     hours = {
         3600: {"alice\trequests": "2", "alice\tin": "10", "alice\tqueued_s": "0.5"},
@@ -419,26 +381,3 @@ def test_the_fleets_usage_adds_every_hour_and_door_and_passes_over_what_is_not_a
     found = usage.fleet_usage(hours)
     assert found["alice"] == usage.Use(3, 10, 0, 0.5, 0)
     assert found["bob"] == usage.Use(0, 0, 0, 0.0, 1)
-
-
-def test_a_key_of_another_door_revoked_here_is_kept_as_revoked(tmp_path: Path) -> None:
-    theirs = _person("carol", "c1", 30.0)
-    with people.editing(tmp_path) as everyone:
-        everyone["carol"] = theirs  # `keys revoke carol`, a key made on another front door
-        del everyone["carol"]
-    assert list(people.read_revoked(tmp_path)) == ["carol"] and people.read_keys(tmp_path) == {}
-    view, publish = people.fleet_view(
-        {}, people.read_revoked(tmp_path), {"carol": people.entry_of(theirs)}
-    )
-    assert view == {} and set(publish) == {"carol"}
-
-
-def test_a_door_of_a_fleet_takes_its_own_files_change_at_its_next_look(tmp_path: Path) -> None:
-    clock = [0.0]
-    ring = people.KeyRing(tmp_path / people.KEYS_FILE, lambda: "", clock=lambda: clock[0])
-    ring.take_remote({"carol": people.entry_of(_person("carol", "c1", 30.0))})
-    assert set(ring.current()) == {"carol"}
-    with people.editing(tmp_path) as everyone:
-        people.added(everyone, "alice", people.new_secret())
-    clock[0] += people.LOOK_EVERY_S  # the file's next look, not the fleet's next read
-    assert set(ring.current()) == {"alice", "carol"}

@@ -330,8 +330,13 @@ def test_peers_are_deployments_of_the_same_names_and_the_proxy_may_reach_them(
     proxy = files["b70-litellm.service"]
     assert "B70_PEER_URL=http://10.0.0.2:8000 http://10.0.0.3:8000" in proxy
     assert "IPAddressDeny" not in proxy
+    assert "REDIS_SSL" not in proxy
     units = [n for n in files if n.endswith(UNIT_SUFFIXES)]
     assert analyze_verify(verify_root(tmp_path, files), units) == ""
+    # A Redis that speaks TLS: LiteLLM's own settings, which the door's client reads too
+    path.write_text(path.read_text() + 'redis_tls = true\nredis_ca = "/etc/b70/redis-ca.pem"\n')
+    proxy = render_all(config.load(path), layout(Scope.SYSTEM))["b70-litellm.service"]
+    assert "REDIS_SSL=True" in proxy and "REDIS_SSL_CA_CERTS=/etc/b70/redis-ca.pem" in proxy
 
 
 class _States:

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "appliance"
 
 # Each room and the rooms below it, lowest first. A room may import itself and any room of a
 # lower rank; rooms of one rank do not import each other. "core" is the modules at the top of
-# appliance/ (errors, files, hold, keys, layout, run, sizes).
+# appliance/ (apis, errors, files, hold, keyorder, keys, layout, people, run, usage).
 RANKS: dict[str, int] = {
     "core": 0,
     "config": 1,

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
-from appliance.sizes import GIB
+from appliance import GIB
 from appliance.switch.interrupts import start_blocked
 
 if TYPE_CHECKING:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
+from appliance import GIB
 from appliance.cli import output
 from appliance.cli.base import Context, cli, guard_log, with_json
 from appliance.errors import ApplianceError
-from appliance.sizes import GIB
 
 root_option = click.option(
     "--root",

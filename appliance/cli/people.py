@@ -68,7 +68,7 @@ def add(
       sudo b70ctl keys add alice --max-parallel 4
       sudo b70ctl keys add nightly-evals --priority batch --tpm 200000
     """
-    from appliance import people
+    from appliance import keyorder, people
 
     ctx.require_root("keys add")
     ctx.config()  # the appliance it is: a broken config is said, not passed over
@@ -78,7 +78,7 @@ def add(
                              exit_code=2)  # fmt: skip
     secret = people.new_secret()
     with _editing(ctx) as everyone:
-        if name in everyone or name in people.keys_in_force(_state_dir(ctx))[1]:
+        if name in everyone or name in keyorder.keys_in_force(_state_dir(ctx))[1]:
             raise ApplianceError(
                 f"there is a key for {name!r} already",
                 hint=f"`b70ctl keys rotate {name}` gives it a new secret; `b70ctl keys revoke "
@@ -142,14 +142,14 @@ def list_keys(ctx: Context) -> None:
     Example:
       sudo b70ctl keys list
     """
-    from appliance import people
+    from appliance import keyorder, people
 
     ctx.require_root("keys list")  # the file is the proxy's and root's alone
     ctx.config()  # the appliance it is: a broken config is said, not passed over
     try:
-        # With front doors that share a Redis ([peers] redis_host): the latest of each name on
+        # With front doors that share a Redis ([peers] redis_host): the last of each name on
         # any of them; "from" says whether it was made, or last changed, on this one.
-        here, in_force = people.keys_in_force(_state_dir(ctx))
+        here, in_force = keyorder.keys_in_force(_state_dir(ctx))
     except people.KeysUnreadable as e:
         raise _unreadable(e) from None
     rows = [
@@ -213,7 +213,8 @@ def _fleet_usage(ctx: Context, config: Any, start: float | None) -> dict[str, An
 
     client = redis.Redis(
         host=host, port=port, password=_redis_password(ctx), socket_timeout=5,
-        socket_connect_timeout=5, decode_responses=True,
+        socket_connect_timeout=5, decode_responses=True, ssl=config.peers.redis_tls,
+        ssl_ca_certs=config.peers.redis_ca,
     )  # fmt: skip
     try:
         hours: dict[int, dict[str, str]] = {}
@@ -253,11 +254,14 @@ def _state_dir(ctx: Context) -> Path:
 @contextmanager
 def _editing(ctx: Context) -> Iterator[dict[str, Any]]:
     """The keys, to change in the block (appliance.people.editing), or a clear error."""
-    from appliance import people
+    from appliance import keyorder, people
 
     owner = _proxy_uid() if ctx.scope is Scope.SYSTEM else None
+    state_dir = _state_dir(ctx)
     try:
-        with people.editing(_state_dir(ctx), owner) as everyone:
+        with people.editing(
+            state_dir, owner, base_of=lambda name: keyorder.fleet_seq(state_dir, name)
+        ) as everyone:
             yield everyone
     except people.KeysUnreadable as e:
         raise _unreadable(e) from None
@@ -281,10 +285,10 @@ def _proxy_uid() -> int:
 
 def _known(everyone: dict[str, Any], name: str, ctx: Context) -> None:
     """NAME is a key here, or one made on another front door of the fleet, which is then taken
-    into this door's file to change (the fleet takes the latest change of a name)."""
-    from appliance import people
+    into this door's file to change (the fleet takes the last change of a name, in its order)."""
+    from appliance import keyorder
 
-    _, in_force = people.keys_in_force(_state_dir(ctx))
+    _, in_force = keyorder.keys_in_force(_state_dir(ctx))
     if name not in in_force:
         everyone.pop(name, None)  # revoked on another front door: no key to change here
     elif everyone.get(name) != in_force[name]:

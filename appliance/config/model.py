@@ -171,6 +171,8 @@ class PeersConfig:
     # Where two front doors share their routing data (cooldowns, usage): LiteLLM's Redis
     redis_host: str | None = None
     redis_port: int = 6379
+    redis_tls: bool = False  # Redis speaks TLS (rediss://); its password is REDIS_PASSWORD
+    redis_ca: str | None = None  # what its certificate is trusted by (PEM); None: the system's
     cooldown_s: float = 5.0  # how long a peer that failed is left out
 
 

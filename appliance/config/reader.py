@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from appliance import apis
+from appliance import GIB, MIB, apis
 from appliance.config.cards import CardKeys
 from appliance.config.model import (
     DEFAULT_COMMAND,
@@ -52,7 +52,6 @@ from appliance.config.values import (
 )
 from appliance.config.walk import kind_of
 from appliance.errors import ConfigError
-from appliance.sizes import GIB, MIB
 
 
 def load(path: Path) -> Config:

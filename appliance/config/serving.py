@@ -66,7 +66,9 @@ class ServingKeys(Walker):
 
     def peers(self, t: Mapping[str, Any], proxy: ProxyConfig) -> PeersConfig:
         p = "peers."
-        self.known(t, p, {"urls", "redis_host", "redis_port", "cooldown_s", "ca"})
+        self.known(
+            t, p, {"urls", "redis_host", "redis_port", "redis_tls", "redis_ca", "cooldown_s", "ca"}
+        )
         urls = self.strings(t, "urls", p)
         for i, url in enumerate(urls):
             if problem := check_peer_url(url):
@@ -80,6 +82,12 @@ class ServingKeys(Walker):
         redis = self.get(t, "redis_host", p, str, "", check_host) or None
         if redis is not None and not urls:
             raise self.fail(p + "redis_host", "is for front doors with peers: list peers.urls")
+        tls = self.get(t, "redis_tls", p, bool, False)
+        if tls and redis is None:
+            raise self.fail(p + "redis_tls", "is for a shared Redis: set peers.redis_host")
+        redis_ca = self.path_value(t, "redis_ca", p, "/") if "redis_ca" in t else None
+        if redis_ca is not None and not tls:
+            raise self.fail(p + "redis_ca", "is for a Redis that speaks TLS: set redis_tls = true")
         ca = self.path_value(t, "ca", p, "/") if "ca" in t else None
         if ca is not None and not any(u.startswith("https://") for u in urls):
             raise self.fail(p + "ca", "is for https:// peers: list one in peers.urls")
@@ -88,6 +96,8 @@ class ServingKeys(Walker):
             ca=ca,
             redis_host=redis,
             redis_port=self.get(t, "redis_port", p, int, 6379, check_port),
+            redis_tls=tls,
+            redis_ca=redis_ca,
             cooldown_s=self.get(
                 t, "cooldown_s", p, float, 5.0, check_range(0, HOUR_S, low_open=True)
             ),

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from appliance import hold, keys, layout, people, usage
+from appliance import hold, keyorder, keys, layout, people, usage
 from appliance.switch.demand.pins import PIN_FILE
 
 # The state directory's files, each made by the appliance (appliance.layout, appliance.hold).
@@ -35,7 +35,7 @@ STATE_FILES = frozenset(
 # PID-PORT.json), the open counts, and each runtime port's fair turns (turns-PORT.json,
 # appliance.proxy.share.turns), and the keys learned from the fleet's other front doors.
 HELD_FILE = re.compile(
-    rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?|turns-\d+\.json|{re.escape(people.FLEET_FILE)})"
+    rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?|turns-\d+\.json|{re.escape(keyorder.FLEET_FILE)})"
 )
 # ... and its folders: each worker's usage per key (appliance.usage), each limited key's counts
 # (appliance.proxy.share.limits, whose folder name is the proxy's own: "keys").

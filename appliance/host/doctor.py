@@ -12,13 +12,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from appliance import run
+from appliance import GIB, run
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
 from appliance.errors import ApplianceError, ConfigError
 from appliance.host import access, modelfiles, placement
 from appliance.host.gpu import xe
 from appliance.host.gpu.sysfs import Device, read_devices, read_text
-from appliance.sizes import GIB
 
 # Owners running four B70s report multi-card collectives broken on kernels before 7.1.
 COLLECTIVES_KERNEL = (7, 1)

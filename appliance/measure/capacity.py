@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from appliance import GIB
 from appliance.errors import ApplianceError
 from appliance.measure import paging, quant, serveflags
 from appliance.measure.shape import (  # fmt: skip
@@ -31,7 +32,6 @@ from appliance.measure.shape import (  # fmt: skip
     parse_shape,
     weight_bytes,
 )
-from appliance.sizes import GIB
 
 # vLLM's defaults for its OpenAI server on a card under 70 GiB (EngineArgs._set_default_args
 # in vllm/engine/arg_utils.py): the start-up profile runs this many tokens at once.

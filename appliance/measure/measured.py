@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from appliance import GIB
 from appliance.errors import ApplianceError
 from appliance.host.runtime_http import samples
-from appliance.sizes import GIB
 
 INFO = "vllm:cache_config_info"
 

@@ -236,6 +236,10 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
             if ":" in host
             else (f"{host}:{config.peers.redis_port}")
         )
+        if config.peers.redis_tls:  # LiteLLM's names, which the door's client reads too
+            env["REDIS_SSL"] = "True"
+            if config.peers.redis_ca:
+                env["REDIS_SSL_CA_CERTS"] = config.peers.redis_ca
     if config.peers.urls:  # other appliances' proxies: their readiness and the key they take
         env["B70_PEER_URL"] = " ".join(config.peers.urls)
     if config.peers.ca:  # what https:// peers are trusted by: the door's and LiteLLM's clients

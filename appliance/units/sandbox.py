@@ -228,7 +228,7 @@ def proxy(config: Config, lay: Layout, litellm: str) -> list[Directive]:
     ]
     reads = [str(lay.proxy_config), config.b70ctl, litellm]
     reads += [p for p in (config.proxy.tls_cert, config.proxy.tls_key) if p]  # the owner's TLS
-    reads += [config.peers.ca] if config.peers.ca else []
+    reads += [p for p in (config.peers.ca, config.peers.redis_ca) if p]  # whom it trusts
     out += _files(lay, reads, state=HELD_DIR)
     out += _cache("b70-litellm.service", {})
     # Peers and their Redis: the proxy talks to them, so it is not loopback-only

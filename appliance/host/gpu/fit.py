@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance import GIB
 from appliance.errors import ApplianceError
 from appliance.host import gpu
-from appliance.sizes import GIB
 
 POLL_S = 0.25
 APPLIANCE_UNIT_PREFIX = "b70-"

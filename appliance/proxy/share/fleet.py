@@ -2,22 +2,23 @@
 keys, each key's limits and each key's use there.
 
 Keys (`FleetKeys`): each proxy worker looks every half second at its own keys file and at the
-fleet's hash (FLEET_KEYS), writes there what of its own the hash lacks or has older, and takes
-the latest change of each name (appliance.people.fleet_view): a key made, rotated or revoked on
-one door counts on every door within a second or two, without a restart. Redis that cannot be
-reached leaves each door its own file and the fleet's keys as last read (the journal says so
-once, and again when it is back). The fleet's hash as last read is written to
-held/keys-fleet.json (mode 0600): `b70ctl keys` takes the same latest change of each name from it
-and the door's own file, to list the keys in force and to rotate or revoke on one door a key
-made on another.
+fleet's hash (FLEET_KEYS), publishes its door's changes that are not yet ordered through the
+fleet's one order (appliance.keyorder, a counter in Redis), and takes the last change of each
+name: a key made, rotated or revoked on one door counts on every door within a second or two,
+without a restart, whatever each door's clock says. Redis that cannot be reached leaves each
+door its own file and the fleet's keys as last read (the journal says so once, and again when it
+is back). The fleet's hash as last read, and the numbers this door's changes got, are written to
+held/keys-fleet.json (mode 0600): `b70ctl keys` takes the same view from it and the door's own
+file, to list the keys in force, to rotate or revoke on one door a key made on another, and to
+give each change its base.
 
 Limits (`FleetLimits`): one atomic check and count in Redis per request of a limited key, each
-worker's open requests beside its heartbeat. A worker's own counts are what it writes there:
-the end of a request, and every heartbeat, write them again, so a count written out of order is
-right again within half a second.
+worker's open requests beside its heartbeat, the minute by Redis's clock. A worker's own counts
+are what it writes there: the end of a request, and every heartbeat, write them again, so a
+count written out of order is right again within half a second.
 
 Use (`FleetUsage`): each key's use added to the fleet's hourly hashes every 2 s, for `b70ctl
-usage --fleet`.
+usage --fleet`. Each loop's failure is in the journal once, with its cause (`Said`).
 """
 
 from __future__ import annotations
@@ -34,14 +35,19 @@ from typing import Any
 
 from appliance.files import write_atomic
 from appliance.hold import HELD_DIR
-from appliance.people import (
+from appliance.keyorder import (
     FLEET_FILE,
     FLEET_KEYS,
-    LOOK_EVERY_S,
-    KeyRing,
-    Person,
+    FLEET_ORDER,
+    FLEET_SEQ,
+    ORDER,
+    dump_fleet,
+    fingerprint,
     fleet_view,
+    is_revocation,
+    read_fleet,
 )
+from appliance.people import LOOK_EVERY_S, KeyRing, Person
 from appliance.proxy.asgi import log
 from appliance.proxy.share.limits import WINDOW_S, Limits, refused
 from appliance.usage import FLEET_USAGE, FLUSH_S, HOUR_S, RETAIN_S, Use
@@ -54,29 +60,59 @@ def redis_address(text: str) -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
+class Said:
+    """A fleet loop's failures, each in the journal once with its cause (again when the cause
+    changes), and that it works again: Redis away, or a bug, is never passed over unsaid."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.last: str | None = None
+
+    def failed(self, e: BaseException) -> None:
+        why = f"{type(e).__name__}: {e}"
+        if why != self.last:
+            self.last = why
+            log(f"b70: {self.what} failed on this worker ({why}); it tries again")
+
+    def ok(self) -> None:
+        if self.last is not None:
+            self.last = None
+            log(f"b70: {self.what} works again on this worker")
+
+
 class FleetKeys:
-    """One worker's share of the fleet's keys: the hash read into its KeyRing, its own written."""
+    """One worker's share of the fleet's keys: the hash read into its KeyRing, its door's own
+    changes published in the fleet's order (appliance.keyorder)."""
 
     def __init__(self, ring: KeyRing, redis: Any, state_dir: Path) -> None:
         self.ring, self.redis = ring, redis
+        ring.merge = lambda *mine_and_theirs: fleet_view(*mine_and_theirs).people
         self.file = state_dir / HELD_DIR / FLEET_FILE
-        self.remote: dict[str, object] = {}
+        self.remote, self.settled = read_fleet(state_dir)  # as this door last knew them
         self.problem: str | None = None
+        self.said = Said("keeping the fleet's keys")
         self.written: str | None = None
         self.task: asyncio.Task[None] | None = None
 
     async def run(self) -> None:
         while True:
-            with contextlib.suppress(Exception):  # never the end of the worker's keys
+            try:
                 await self.once()
+            except Exception as e:  # a bug, not Redis (_read and _order say those)
+                self.said.failed(e)
+            else:
+                self.said.ok()
             await asyncio.sleep(LOOK_EVERY_S)
 
     async def once(self) -> None:
         reached = await self._read()
-        _, publish = fleet_view(self.ring.local(), self.ring.revoked, self.remote)
-        if reached and publish:
-            await self._write(publish)
-        self.ring.take_remote(self.remote)  # the ring merges it with its file at its next look
+        view = fleet_view(self.ring.local(), self.ring.revoked, self.remote, self.settled)
+        self.settled.update(view.ordered)
+        if reached:
+            for name, entry in view.pending.items():
+                if not await self._order(name, entry):
+                    break
+        self.ring.take_remote(self.remote, self.settled)  # merged with its file at its next look
         self._note()
 
     async def _read(self) -> bool:
@@ -95,15 +131,25 @@ class FleetKeys:
             log("b70: the fleet's keys are read from Redis again")
         return True
 
-    async def _write(self, publish: dict[str, dict[str, object]]) -> None:
+    async def _order(self, name: str, entry: dict[str, object]) -> bool:
+        """One change of this door's, given its number in the fleet (or found to have lost)."""
+        mark = fingerprint(name, entry)
+        base = entry.get("base", 0)
+        args = [name, mark.split("\t", 1)[1], base, json.dumps(entry), int(is_revocation(entry))]
         try:
-            await self.redis.hset(
-                FLEET_KEYS, mapping={n: json.dumps(e) for n, e in publish.items()}
-            )
+            got = int(await self.redis.eval(ORDER, 3, FLEET_KEYS, FLEET_ORDER, FLEET_SEQ, *args))
         except Exception as e:
             self._said(f"b70: cannot write this door's keys to Redis: {e}")
-            return
-        self.remote.update(publish)
+            return False
+        self.settled[mark] = got
+        if got > 0:
+            self.remote[name] = {"seq": got, **entry}
+        else:
+            log(
+                f"b70: the change of the key {name!r} made on this door lost to a later one "
+                "made on another door; `b70ctl keys list` shows the key in force"
+            )
+        return True
 
     def _said(self, problem: str) -> None:
         if self.problem is None:
@@ -111,8 +157,9 @@ class FleetKeys:
             log(problem + "; each door goes on with the keys it knows")
 
     def _note(self) -> None:
-        """The fleet's hash as last read, for `b70ctl keys` (written when it changes)."""
-        text = json.dumps(dict(sorted(self.remote.items())), indent=2) + "\n"
+        """The fleet's hash and this door's numbers, for `b70ctl keys` and a worker that starts
+        (written when they change)."""
+        text = dump_fleet(self.remote, self.settled)
         if text == self.written:
             return
         try:
@@ -126,14 +173,21 @@ class FleetKeys:
 
 # One check and count, atomic in Redis, for a request of a limited key: its requests at once
 # (each worker's count, of the workers whose heartbeat lives), its requests of the last minute and
-# its tokens of the last minute; as Limits keeps them in a file on one door. Numbers go back as
-# text: Redis turns a Lua number into an integer.
-ADMIT = """
-local now, window, me = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local most, rpm, tpm = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+# its tokens of the last minute; as Limits keeps them in a file on one door. The minute is Redis's
+# own (TIME), not any door's clock. Numbers go back as text: Redis turns a Lua number into an
+# integer.
+NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+"""
+ADMIT = (
+    NOW
+    + """
+local window, me = tonumber(ARGV[1]), ARGV[2]
+local most, rpm, tpm = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local running, fields = 0, redis.call('HGETALL', KEYS[1])
 for i = 1, #fields, 2 do
-  if fields[i] == me or redis.call('EXISTS', ARGV[8] .. fields[i]) == 1 then
+  if fields[i] == me or redis.call('EXISTS', ARGV[7] .. fields[i]) == 1 then
     running = running + tonumber(fields[i + 1])
   else
     redis.call('HDEL', KEYS[1], fields[i])
@@ -159,11 +213,21 @@ if tpm >= 0 and used >= tpm then
   end
   return {'tpm', tostring(used), tostring(window)}
 end
-redis.call('ZADD', KEYS[2], now, ARGV[7])
+redis.call('ZADD', KEYS[2], now, ARGV[6])
 redis.call('HINCRBY', KEYS[1], me, 1)
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], 2 * window) end
 return {'ok', '0', '0'}
 """
+)
+# The tokens a request spent, at Redis's time: KEYS = its key's spent set; ARGV = the member
+# (ending in the tokens), the set's lifetime in seconds.
+SPEND = (
+    NOW
+    + """
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+"""
+)
 ALIVE_S = 5  # a worker whose heartbeat is older no longer holds its key's places
 AWAY_S = 2.0  # after Redis did not answer, how long the limits are kept on this door alone
 
@@ -183,6 +247,8 @@ class FleetLimits(Limits):
         self.problem: str | None = None
         self.away_until = 0.0  # Redis did not answer: this door's own counts until then
         self.tasks: set[asyncio.Task[None]] = set()
+        self.window_s = WINDOW_S  # the limits' minute, in Redis's time
+        self.loop_said = Said("counting the keys' requests in Redis")
 
     async def admit_async(self, person: Person) -> None:
         if not person.limited:
@@ -195,7 +261,7 @@ class FleetLimits(Limits):
             if time.monotonic() < self.away_until:
                 raise ConnectionError("it did not answer a moment ago")
             got = await self.redis.eval(
-                ADMIT, 3, *keys, self.clock(), WINDOW_S, self.worker, *limits, member, "b70:alive:"
+                ADMIT, 3, *keys, self.window_s, self.worker, *limits, member, "b70:alive:"
             )
         except Exception as e:  # redis's errors, OSError, a timeout
             self._away(e)
@@ -222,14 +288,15 @@ class FleetLimits(Limits):
         task.add_done_callback(self.tasks.discard)
 
     async def _ended(self, name: str, tokens: int) -> None:
-        with contextlib.suppress(Exception):  # the heartbeat writes the count again
+        try:  # on a failure, the heartbeat writes the count again
             pipe = self.redis.pipeline(transaction=False)
             self._count(pipe, name)
             if tokens > 0:
                 member = f"{self.worker}:{next(self.numbers)}:{tokens}"
-                pipe.zadd(f"b70:spent:{name}", {member: self.clock()})
-                pipe.expire(f"b70:spent:{name}", int(2 * WINDOW_S))
+                pipe.eval(SPEND, 1, f"b70:spent:{name}", member, int(2 * self.window_s))
             await pipe.execute()
+        except Exception as e:
+            self.loop_said.failed(e)
 
     def _count(self, pipe: Any, name: str) -> None:
         if self.open.get(name, 0) > 0:
@@ -240,7 +307,7 @@ class FleetLimits(Limits):
     async def beat(self) -> None:
         """This worker is alive, and its counts are what it says: every half second."""
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(f"b70:alive:{self.worker}", 1, ex=ALIVE_S)
                 names = list(self.open)
@@ -248,6 +315,10 @@ class FleetLimits(Limits):
                     self._count(pipe, name)
                 await pipe.execute()
                 self.open = {n: c for n, c in self.open.items() if c > 0 or n not in names}
+            except Exception as e:
+                self.loop_said.failed(e)
+            else:
+                self.loop_said.ok()
             await asyncio.sleep(LOOK_EVERY_S)
 
     def _away(self, e: BaseException) -> None:
@@ -273,6 +344,7 @@ class FleetUsage:
         self.redis, self.clock = redis, clock
         self.pending: dict[tuple[int, str], Use] = {}
         self.task: asyncio.Task[None] | None = None
+        self.said = Said("adding the keys' use to Redis")
 
     def add(self, name: str, use: Use) -> None:
         hour = int(self.clock()) // HOUR_S * HOUR_S
@@ -281,8 +353,12 @@ class FleetUsage:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_S)
-            with contextlib.suppress(Exception):  # kept for the next time
+            try:
                 await self.flush()
+            except Exception as e:  # kept for the next time
+                self.said.failed(e)
+            else:
+                self.said.ok()
 
     async def flush(self) -> None:
         if not self.pending:
@@ -307,7 +383,8 @@ def _text(value: object) -> str:
 
 
 def client(env: Mapping[str, str]) -> Any:
-    """With B70_REDIS: a client of the fleet's Redis (REDIS_PASSWORD, as LiteLLM reads it)."""
+    """With B70_REDIS: a client of the fleet's Redis (REDIS_PASSWORD, REDIS_SSL and
+    REDIS_SSL_CA_CERTS, as LiteLLM reads them)."""
     address = redis_address(env.get("B70_REDIS", ""))
     if address is None:
         return None
@@ -320,6 +397,8 @@ def client(env: Mapping[str, str]) -> Any:
     return redis.asyncio.Redis(
         host=address[0], port=address[1], password=env.get("REDIS_PASSWORD") or None,
         socket_timeout=1, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0),
+        ssl=env.get("REDIS_SSL", "").lower() == "true",
+        ssl_ca_certs=env.get("REDIS_SSL_CA_CERTS") or None,
     )  # fmt: skip
 
 
