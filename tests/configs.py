@@ -396,6 +396,16 @@ PEERS = [
         "peers.redis_host: is for front doors with peers",
     ),
     (
+        "keep_free without fair turns",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = false\nkeep_free = 1'),
+        "proxy.keep_free: does nothing with fair = false",
+    ),
+    (
+        "batch_wait_s without fair turns",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = false\nbatch_wait_s = 5'),
+        "proxy.batch_wait_s: does nothing with fair = false",
+    ),
+    (
         "redis tls without redis",
         GOOD + '[peers]\nurls = ["http://a:8000"]\nredis_tls = true\n',
         "peers.redis_tls: is for a shared Redis: set peers.redis_host",

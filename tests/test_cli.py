@@ -242,3 +242,18 @@ def test_a_reader_that_leaves_gets_no_error_and_the_exit_of_sigpipe() -> None:
     err = child.stderr.read().decode()
     assert child.wait(60) == 141, err
     assert err == ""
+
+
+def test_a_batch_priority_without_fair_turns_is_refused_before_a_key_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.configs import GOOD
+
+    config = tmp_path / "appliance.toml"
+    config.write_text(GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = false', 1))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    argv = ["--user", "--config", str(config), "keys", "add", "bob", "--priority", "batch"]
+    out = _in_process(argv, monkeypatch, capsys)
+    assert out.returncode == 2, out
+    assert "--priority batch does nothing here: [proxy] fair = false" in out.stderr
+    assert not (tmp_path / "state").exists() or not list((tmp_path / "state").rglob("keys.json"))

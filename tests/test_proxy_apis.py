@@ -284,6 +284,21 @@ def test_an_api_the_runtime_does_not_serve_is_a_501_naming_what_it_needs() -> No
     assert json.loads(client.body)["error"]["type"] == "api_error"
 
 
+def test_a_runtime_that_does_not_know_the_model_answers_404_and_it_stays_one() -> None:
+    said = (
+        b'{"error":{"message":"The model `other` does not exist.","type":"NotFoundError",'
+        b'"param":"model","code":404}}'
+    )  # vLLM's own words for a model it does not serve
+    client, _ = through("/v1/embeddings", OK["embeddings"], answer(404, said), "vLLM")
+    assert client.status == 404
+    error = json.loads(client.body)["error"]
+    assert (
+        error["message"]
+        == "the runtime (vLLM) refused the request: The model `other` does not exist."
+    )
+    assert error["type"] == "NotFoundError" and error["code"] == "model_not_found"
+
+
 def test_a_runtime_error_is_answered_in_the_apis_shape_and_names_the_runtime() -> None:
     said = (
         b'{"error":{"code":400,"message":"Field \'temperature\': type must be number",'

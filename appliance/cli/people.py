@@ -71,7 +71,13 @@ def add(
     from appliance import keyorder, people
 
     ctx.require_root("keys add")
-    ctx.config()  # the appliance it is: a broken config is said, not passed over
+    config = ctx.config()  # the appliance it is: a broken config is said, not passed over
+    if priority == people.BATCH and not config.proxy.fair:
+        raise ApplianceError(
+            "--priority batch does nothing here: [proxy] fair = false, so no request waits "
+            "behind another's", hint="set fair = true in [proxy] and run `b70ctl install`, or "
+            "leave --priority out", code="usage_error", exit_code=2,
+        )  # fmt: skip
     problem = people.name_problem(name)
     if problem is not None:
         raise ApplianceError(problem, hint="e.g. `b70ctl keys add alice`", code="usage_error",

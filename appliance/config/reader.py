@@ -224,6 +224,13 @@ class _Reader(CardKeys, ServingKeys):
                 raise self.fail(p + "aliases", f"{alias!r}: {problem or 'repeats proxy.model'}")
         litellm = self.path_value(t, "litellm", p, "/") if "litellm" in t else None
         tls, cert, key = self.tls(t, p)
+        fair = self.get(t, "fair", p, bool, True)
+        for shaping in ("batch_wait_s", "keep_free"):
+            if not fair and shaping in t:
+                raise self.fail(
+                    p + shaping, "does nothing with fair = false: it shapes the fair turns",
+                    hint=f"set fair = true, or remove {shaping}",
+                )  # fmt: skip
         return ProxyConfig(
             tls=tls,
             tls_cert=cert,
@@ -239,7 +246,7 @@ class _Reader(CardKeys, ServingKeys):
             # 8 MiB holds a whole 131072-token context as text several times over, and a few
             # images as data URLs.
             pass_through=self.get(t, "pass_through", p, bool, True),
-            fair=self.get(t, "fair", p, bool, True),
+            fair=fair,
             batch_wait_s=self.get(t, "batch_wait_s", p, float, 30.0, check_range(0, HOUR_S)),
             keep_free=self.get(
                 t, "keep_free", p, int, 0, lambda v: None if 0 <= v <= 1024 else "0-1024"

@@ -16,7 +16,9 @@ from appliance.proxy.checks import Refusal
 
 # The engine names of appliance.proxy.backend.Facts, as the config names the engines.
 ENGINES = {name: engine for engine, name in apis.ENGINE_NAMES.items()}
-NOT_SERVED = (404, 405, 501)  # a runtime without the route, or started without it
+# A runtime without the route, or started without it (a 404 that names a model is not one: the
+# runtime has the route and does not know the model asked for)
+NOT_SERVED = (404, 405, 501)
 MAX_SAID = 600  # characters of the runtime's own words kept in an answer
 
 
@@ -25,6 +27,11 @@ def runtime_error(kind: str, status: int, body: bytes, engine: str | None) -> Re
     serving runtime's, as appliance.proxy.backend.Facts names it (None when not known)."""
     said, their_kind, their_code = _said(body)
     who = f"the runtime ({engine})" if engine else "the runtime"
+    if status == 404 and "model" in said.lower():  # a model it does not know: a 404 it stays
+        return Refusal(
+            404, f"{who} refused the request: {said}", their_code or "model_not_found",
+            kind=their_kind or "invalid_request_error",
+        )  # fmt: skip
     if status in NOT_SERVED:
         return not_served(kind, engine, said)
     if not 400 <= status <= 599:
