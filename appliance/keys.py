@@ -123,6 +123,7 @@ def server_context(cert: Path, key: Path) -> ssl.SSLContext:
     files cannot be read or do not belong together."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.options |= ssl.OP_NO_RENEGOTIATION  # a client's renegotiation is refused (TLS 1.2)
     context.set_alpn_protocols(["http/1.1"])
     context.load_cert_chain(str(cert), str(key))
     return context

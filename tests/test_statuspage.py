@@ -4,16 +4,20 @@ proxy hold's token, compared as bytes like the page's secrets."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
+import ssl
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from appliance.config import is_loopback, parse
+from appliance.errors import ConfigError
 from appliance.layout import SAMPLES, Layout, Scope
 from appliance.watch import samples, statuspage
 from b70tools.net import free_port
@@ -21,22 +25,40 @@ from b70tools.net import free_port
 KEY = "sk-b70-test-key"
 
 
-def config_text(host: str, port: int) -> str:
+def config_text(host: str, port: int, tls: str = "") -> str:
     return f"""
 default_runtime = "a"
 [runtimes.a]
 engine = "llamacpp"
 model = "/m.gguf"
+[proxy]
+{tls}
 [monitor]
 host = "{host}"
 port = {port}
 """
 
 
+IDLE_S = 2.0  # the page's idle limit here (10 s as the monitor serves it)
+# The client side of the exposed page's TLS: its URL's trust (the page's certificate)
+TRUST: dict[str, ssl.SSLContext] = {}
+
+
 @pytest.fixture(params=["127.0.0.1", "0.0.0.0"], ids=["loopback", "exposed"])
 def page(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, bool]]:
+    """The page on loopback (plain HTTP, no key), or exposed: over TLS alone, with the proxy's
+    certificate, as the monitor serves it."""
+    from appliance.deploy.certificate import make_self_signed
+    from appliance.watch.monitor import page_tls
+
     port = free_port()
-    cfg = parse(config_text(request.param, port), tmp_path / "appliance.toml")
+    exposed = request.param != "127.0.0.1"
+    cert, key = tmp_path / "page.crt", tmp_path / "page.key"
+    pem, key_pem = make_self_signed((["localhost"], ["127.0.0.1", "::1"]))
+    cert.write_text(pem)
+    key.write_text(key_pem)
+    tls = f'tls = true\ntls_cert = "{cert}"\ntls_key = "{key}"' if exposed else ""
+    cfg = parse(config_text(request.param, port, tls), tmp_path / "appliance.toml")
     lay = Layout(Scope.USER, tmp_path / "units", tmp_path / "etc", tmp_path / "state")
     lay.etc_dir.mkdir()
     lay.state_dir.mkdir()
@@ -44,37 +66,72 @@ def page(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str, 
     from prometheus_client import CollectorRegistry
 
     page = statuspage.Page(cfg, lay, CollectorRegistry())
-    server = statuspage.serve(page, request.param, port, poll_s=0.005)
+    server = statuspage.serve(
+        page,
+        request.param,
+        port,
+        poll_s=0.005,
+        tls=page_tls(cfg, lay) if exposed else None,
+        idle_s=IDLE_S,
+    )
+    url = f"{'https' if exposed else 'http'}://127.0.0.1:{port}"
+    TRUST[url] = ssl.create_default_context(cafile=str(cert))
     try:
-        yield f"http://127.0.0.1:{port}", request.param != "127.0.0.1"
+        yield url, exposed
     finally:
         server.shutdown()
         server.server_close()
 
 
+def _get(url: str, **options: Any) -> httpx.Response:
+    return httpx.get(url, verify=_trust(url), **options)
+
+
+def _client(url: str, **options: Any) -> httpx.Client:
+    return httpx.Client(base_url=url, verify=_trust(url), **options)
+
+
+def _trust(url: str) -> ssl.SSLContext | bool:
+    base = url.split("/", 3)
+    return TRUST.get("/".join(base[:3]), True)
+
+
+def test_beyond_loopback_the_config_asks_for_tls(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"monitor\.host: 0\.0\.0\.0 is beyond loopback"):
+        parse(config_text("0.0.0.0", 9999), tmp_path / "appliance.toml")
+
+
 def test_the_page_is_shut_to_those_without_the_key_when_exposed(page: tuple[str, bool]) -> None:
     url, exposed = page
-    first = httpx.get(url + "/")
+    first = _get(url + "/")
     if not exposed:
         assert first.status_code == 200 and 'name="b70-token"' in first.text
         assert first.headers["X-Content-Type-Options"] == "nosniff"
         return
     assert first.status_code == 401 and KEY not in first.text
-    assert httpx.get(url + "/metrics").status_code == 401
-    assert httpx.get(url + "/", headers={"Authorization": "Bearer wrong"}).status_code == 401
-    assert httpx.get(url + "/", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
-    login = httpx.get(url + f"/?key={KEY}")
+    assert _get(url + "/metrics").status_code == 401
+    assert _get(url + "/", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert _get(url + "/", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    login = _get(url + f"/?key={KEY}")
     assert login.status_code == 303 and login.headers["Location"] == "/"
     cookie = login.headers["Set-Cookie"]
-    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
-    with httpx.Client(base_url=url, cookies=login.cookies) as client:
+    session = login.cookies[statuspage.COOKIE]
+    assert KEY not in cookie and len(session) >= 40, "the cookie holds a session, not the key"
+    for part in ("HttpOnly", "SameSite=Strict", "Secure", f"Max-Age={statuspage.SESSION_S}"):
+        assert f"; {part}" in cookie, cookie
+    with _client(url, cookies=login.cookies) as client:
         assert client.get("/status.js").status_code == 200
+    forged = {statuspage.COOKIE: session[:-2] + "xx"}
+    with _client(url, cookies=forged) as client:
+        assert client.get("/api/state").status_code == 401
+    with _client(url, cookies={"b70_key": KEY}) as client:  # the old cookie is no session
+        assert client.get("/api/state").status_code == 401
 
 
 def test_a_post_needs_the_pages_token_json_and_the_pages_origin(page: tuple[str, bool]) -> None:
     url, exposed = page
     auth = {"Authorization": f"Bearer {KEY}"} if exposed else {}
-    http = httpx.Client()
+    http = _client(url)
     token = http.get(url + "/", headers=auth).text.split('content="', 2)[2].split('"', 1)[0]
     switch = url + "/api/switch"
     body = {"runtime": "a"}
@@ -114,7 +171,11 @@ def ask(
 ) -> tuple[int, http.client.HTTPMessage, bytes]:
     """A request with exactly these Host headers (none, one, two), as a browser or a rebinding
     site could send it; header values as bytes go on the wire as they are."""
-    conn = http.client.HTTPConnection("127.0.0.1", port_of(url), timeout=10)
+    conn: http.client.HTTPConnection = (
+        http.client.HTTPSConnection("127.0.0.1", port_of(url), timeout=10, context=TRUST[url])
+        if url.startswith("https")
+        else http.client.HTTPConnection("127.0.0.1", port_of(url), timeout=10)
+    )
     try:
         conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
         for host in hosts:
@@ -136,7 +197,7 @@ def port_of(url: str) -> int:
 
 def token_of(url: str, exposed: bool) -> str:
     auth = {"Authorization": f"Bearer {KEY}"} if exposed else {}
-    return httpx.get(url + "/", headers=auth).text.split('name="b70-token" content="', 1)[1][:32]
+    return _get(url + "/", headers=auth).text.split('name="b70-token" content="', 1)[1][:32]
 
 
 def test_a_foreign_host_is_misdirected_on_every_route_before_anything_is_read(
@@ -215,21 +276,22 @@ def test_a_switch_comes_from_the_origin_of_the_host_it_names(page: tuple[str, bo
     auth: Headers = {"Authorization": f"Bearer {KEY}"} if exposed else {}
     post = {**auth, "X-B70-Token": token, "Content-Type": "application/json"}
     body = b'{"runtime": "zz"}'
-    for host, origin in [(f"localhost:{port}", f"http://localhost:{port}"),
-                         (f"LOCALHOST:{port}", f"http://localhost:{port}"),
-                         ("localhost", "http://localhost"),
-                         (f"[::1]:{port}", f"http://[::1]:{port}"),
+    mine, other = ("https", "http") if exposed else ("http", "https")
+    for host, origin in [(f"localhost:{port}", f"{mine}://localhost:{port}"),
+                         (f"LOCALHOST:{port}", f"{mine}://localhost:{port}"),
+                         ("localhost", f"{mine}://localhost"),
+                         (f"[::1]:{port}", f"{mine}://[::1]:{port}"),
                          (f"127.0.0.1:{port}", None)]:  # fmt: skip
         headers = post if origin is None else {**post, "Origin": origin}
         status, _, out = ask(url, "POST", "/api/switch", [host], headers, body)
         assert status == 400 and b"no runtime named 'zz'" in out, (host, origin, status, out)
-    for host, origin in [(f"localhost:{port}", f"http://127.0.0.1:{port}"),
-                         (f"localhost:{port}", "http://localhost"),
-                         (f"localhost:{port}", f"https://localhost:{port}"),
-                         (f"localhost:{port}", f"http://localhost:{port}/"),
-                         (f"localhost:{port}", f"http://attacker.example:{port}"),
+    for host, origin in [(f"localhost:{port}", f"{mine}://127.0.0.1:{port}"),
+                         (f"localhost:{port}", f"{mine}://localhost"),
+                         (f"localhost:{port}", f"{other}://localhost:{port}"),
+                         (f"localhost:{port}", f"{mine}://localhost:{port}/"),
+                         (f"localhost:{port}", f"{mine}://attacker.example:{port}"),
                          (f"localhost:{port}", "null"),
-                         (f"localhost:{port}", f"http://user@localhost:{port}")]:  # fmt: skip
+                         (f"localhost:{port}", f"{mine}://user@localhost:{port}")]:  # fmt: skip
         status, _, out = ask(url, "POST", "/api/switch", [host], {**post, "Origin": origin}, body)
         assert status == 403 and b"a request from" in out, (host, origin, status, out)
 
@@ -246,7 +308,13 @@ def test_a_key_cookie_or_token_of_any_text_is_refused_cleanly(page: tuple[str, b
             status, answer, _ = ask(url, "GET", "/", host, {"Authorization": b"Bearer " + wrong})
             assert status == 401, (wrong, status)
         # A quoted cookie's octal escapes make any character of its value.
-        for cookie in ['b70_key="\\351"', 'b70_key="\\377\\376"', "b70_key=\u00e9"]:
+        for cookie in [
+            'b70_session="\\351"',
+            'b70_session="\\377\\376"',
+            "b70_session=\u00e9",
+            f"b70_session={'x' * 5000}",
+            'b70_session="\\"; b70_session=;',
+        ]:
             status, answer, _ = ask(url, "GET", "/", host, {"Cookie": cookie})
             assert status == 401 and "Set-Cookie" not in answer, (cookie, status)
         for query in ("%C3%A9", "%FF", "%ED%A0%80", "%E2%82%AC"):
@@ -313,3 +381,32 @@ def test_a_sample_holds_each_runtime_side_by_side() -> None:
     nothing = Observation(5.0, None, None, None, None, False, "no runtime", False)
     empty = samples.sample_of([nothing], 0, Snapshot([], 0, []))
     assert empty["runtimes"] == {} and empty["in_flight"] is None and empty["healthy"] is False
+
+
+def test_an_idle_connection_is_closed_after_its_handshake_or_without_one(
+    page: tuple[str, bool],
+) -> None:
+    """A client that connects and says nothing (no TLS handshake, or one and then nothing) is let
+    go after IDLE_S, and holds no thread of the page's beyond that."""
+    import time
+
+    url, exposed = page
+    idle = IDLE_S
+
+    def closed_after(sock: socket.socket) -> float:
+        started = time.monotonic()
+        sock.settimeout(idle + 20)
+        with contextlib.suppress(ConnectionResetError, ssl.SSLError):  # closed, either way
+            assert sock.recv(1) == b""
+        return time.monotonic() - started
+
+    raw = socket.create_connection(("127.0.0.1", port_of(url)))
+    took = closed_after(raw)
+    raw.close()
+    assert idle - 0.5 <= took <= idle + 3, took
+    if exposed:
+        tcp = socket.create_connection(("127.0.0.1", port_of(url)))
+        tls = TRUST[url].wrap_socket(tcp, server_hostname="127.0.0.1")  # the handshake, done
+        took = closed_after(tls)
+        tls.close()
+        assert idle - 0.5 <= took <= idle + 3, took

@@ -163,6 +163,12 @@ class _Reader(CardKeys, ServingKeys):
                 "one of: " + ", ".join(sorted({*runtimes, *groups})),
             )
         monitor = self.monitor(self.table(data, "monitor"), set(runtimes))
+        if not is_loopback(monitor.host) and not proxy.tls:
+            raise self.fail(
+                "monitor.host", f"{monitor.host} is beyond loopback, where the status page takes "
+                "the appliance key, and only over TLS", hint="set tls = true in [proxy] (the page "
+                'is served with its certificate), or host = "127.0.0.1" in [monitor]',
+            )  # fmt: skip
         self.listeners({"proxy": proxy, "backend": backend, "monitor": monitor})
         self.runtime_ports(runtimes, backend.host, {"proxy": proxy, "monitor": monitor})
         self.side_by_side(runtimes)

@@ -243,6 +243,8 @@ def monitor(config: Config, lay: Layout) -> list[Directive]:
     reads = [str(lay.etc_dir), config.b70ctl]
     for rt in config.runtimes.values():
         reads += _runtime_reads(config, rt)
+    if not is_loopback(config.monitor.host):  # the status page serves the proxy's TLS there
+        reads += [p for p in (config.proxy.tls_cert, config.proxy.tls_key) if p]
     out = [
         Directive(
             "CapabilityBoundingSet",

@@ -192,6 +192,16 @@ def restore(state_dir: Path) -> Memory:
     return m
 
 
+def page_tls(config: Config, lay: Any) -> Any:
+    """The status page's TLS beyond loopback: the proxy's certificate and key ([proxy] tls,
+    which the config asks for there)."""
+    from appliance.keys import server_context, tls_files
+
+    files = tls_files(True, config.proxy.tls_cert, config.proxy.tls_key, lay.state_dir)
+    assert files is not None
+    return server_context(files.cert, files.key)
+
+
 def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str, Any]:
     """Sample and act every interval; with `once`, one sample, returned as the record has it."""
     from appliance.watch import metrics
@@ -203,8 +213,10 @@ def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str,
     if not once:  # one sample serves no scrape; and the monitor's unit may hold the port
         from appliance.watch import statuspage
 
-        statuspage.serve(statuspage.Page(config, lay, exporter.registry), mon.host, mon.port)
-        where = f"http://{mon.host}:{mon.port}"
+        page = statuspage.Page(config, lay, exporter.registry)
+        tls = page_tls(config, lay) if page.exposed else None
+        statuspage.serve(page, mon.host, mon.port, tls=tls)
+        where = f"{'https' if tls else 'http'}://{mon.host}:{mon.port}"
         log(f"monitoring every {mon.interval_s:g} s; status page on {where}/, metrics on /metrics")
     if not once and config.switching.on_demand:
         _start_demand(config, scope, log)

@@ -13,21 +13,27 @@ Routes:
 A request must name in its one Host header a host the page is served as (Page.serves), with the
 page's port or none; any other gets 421 before anything is read, so a site whose name was rebound
 to this machine (DNS rebinding) gets nothing. On loopback (the default) anyone on the box may
-look; beyond it, every route wants the appliance key: `Authorization: Bearer KEY`, or the cookie
-`GET /?key=KEY` sets (HttpOnly, SameSite=Strict). A POST must also carry the page's token in
-X-B70-Token, as JSON, from the page's origin (Sec-Fetch-Site; Origin: http:// and the request's
-Host): another site can neither read the token nor send the header without a preflight this
-server never grants. Secrets are compared as bytes: any text is only a mismatch.
+look, over plain HTTP; beyond it, the page speaks TLS alone, with the proxy's certificate ([proxy]
+tls, which the config then asks for), and every route wants the appliance key: `Authorization:
+Bearer KEY`, or a session of the page's own, which `GET /?key=KEY` opens. Its cookie holds a
+random id, never the key (HttpOnly, SameSite=Strict, Secure, and it ends after SESSION_S, or when
+the monitor restarts). A POST must also carry the page's token in X-B70-Token, as JSON, from the
+page's origin (Sec-Fetch-Site; Origin: the page's scheme and the request's Host): another site
+can neither read the token nor send the header without a preflight this server never grants.
+Secrets are compared as bytes: any text is only a mismatch. A connection that says nothing for
+IDLE_S is closed, a TLS handshake included.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import http.cookies
 import ipaddress
 import json
 import secrets
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -59,7 +65,10 @@ HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-COOKIE = "b70_key"
+COOKIE = "b70_session"
+SESSION_S = 12 * 3600  # a session of the page's lasts this long
+MOST_SESSIONS = 256  # the oldest goes when one more opens
+IDLE_S = 10.0  # a connection that sends nothing this long is closed
 HISTORY_SHOWN = 20
 JOURNAL_LINES = 15
 MAX_BODY = 4096
@@ -135,6 +144,27 @@ class Page:
         self.host_name = None if host in WILDCARD_HOSTS else parse_host_name(host)
         self.job: Job | None = None
         self.lock = threading.Lock()
+        self.tls = False  # served over TLS (serve() sets it)
+        # The open sessions: the SHA-256 of each id, and when it ends (time.monotonic())
+        self.sessions: dict[bytes, float] = {}
+
+    def open_session(self) -> str:
+        """A new session's id (its cookie's value); the oldest goes beyond MOST_SESSIONS."""
+        session = secrets.token_urlsafe(32)
+        with self.lock:
+            now = time.monotonic()
+            self.sessions = {k: t for k, t in self.sessions.items() if t > now}
+            while len(self.sessions) >= MOST_SESSIONS:
+                del self.sessions[min(self.sessions, key=self.sessions.__getitem__)]
+            self.sessions[hashlib.sha256(session.encode()).digest()] = now + SESSION_S
+        return session
+
+    def in_session(self, session: str) -> bool:
+        if not session or len(session) > 64 or not session.isascii():
+            return False
+        digest = hashlib.sha256(session.encode()).digest()
+        with self.lock:
+            return self.sessions.get(digest, 0.0) > time.monotonic()
 
     def key(self) -> str:
         from appliance.keys import read_key
@@ -276,17 +306,24 @@ class Handler(BaseHTTPRequestHandler):
         return problem is not None
 
     def allowed(self, query: dict[str, list[str]]) -> bool:
-        """Beyond loopback: the key, by header, cookie, or once in the query (then a cookie)."""
+        """Beyond loopback: the key by header, or a session the key opened once in the query."""
         if not self.page.exposed:
             return True
         key = self.page.key()
         given = self.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        jar = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
-        cookie = jar[COOKIE].value if COOKIE in jar else ""
-        if any(v and same_secret(v, key) for v in (given, cookie)):
+        try:
+            jar = http.cookies.SimpleCookie(self.headers.get("Cookie", ""))
+        except http.cookies.CookieError:
+            jar = http.cookies.SimpleCookie()
+        session = jar[COOKIE].value if COOKIE in jar else ""
+        if (given and same_secret(given, key)) or self.page.in_session(session):
             return True
         if self.path.startswith("/?") and same_secret(query.get("key", [""])[0], key):
-            cookie_line = f"{COOKIE}={key}; HttpOnly; SameSite=Strict; Path=/"
+            secure = "; Secure" if self.page.tls else ""
+            cookie_line = (
+                f"{COOKIE}={self.page.open_session()}; HttpOnly; SameSite=Strict{secure}; "
+                f"Max-Age={SESSION_S}; Path=/"
+            )
             self.send(HTTPStatus.SEE_OTHER, b"", "text/plain",
                       {"Location": "/", "Set-Cookie": cookie_line})  # fmt: skip
             return False
@@ -368,33 +405,56 @@ class Handler(BaseHTTPRequestHandler):
         if site is not None and site not in ("same-origin", "none"):
             return f"a request from another site ({site})"
         origin = self.headers.get("Origin")
-        if origin is not None and not judge_origin(origin, self.headers.get("Host", "")):
+        scheme = "https" if self.page.tls else "http"
+        if origin is not None and not judge_origin(origin, self.headers.get("Host", ""), scheme):
             return f"a request from {origin}"
         return None
 
 
-def judge_origin(origin: str, host: str) -> bool:
-    """Whether a browser's Origin is the page's own: http:// and the request's Host (its name
+def judge_origin(origin: str, host: str, scheme: str = "http") -> bool:
+    """Whether a browser's Origin is the page's own: its scheme and the request's Host (its name
     and port, as parse_authority reads them; the Host was judged before)."""
-    authority = origin.removeprefix("http://")
+    authority = origin.removeprefix(f"{scheme}://")
     if authority == origin:
         return False  # another scheme, or "null"
     mine, theirs = parse_authority(host), parse_authority(authority)
     return mine is not None and mine == theirs
 
 
-def serve(page: Page, host: str, port: int, poll_s: float = 0.1) -> ThreadingHTTPServer:
-    """The page's server, answering from a thread of its own. `poll_s`: how often its thread
-    looks whether it is asked to stop (shutdown() waits up to that long)."""
+def serve(
+    page: Page, host: str, port: int, poll_s: float = 0.1, tls: ssl.SSLContext | None = None,
+    idle_s: float = IDLE_S,
+) -> ThreadingHTTPServer:  # fmt: skip
+    """The page's server, answering from a thread of its own, over TLS with `tls`. `poll_s`:
+    how often its thread looks whether it is asked to stop (shutdown() waits up to that long);
+    `idle_s`: how long a connection may say nothing."""
 
     class PageHandler(Handler):
-        pass
+        timeout = idle_s  # each connection's socket: a client that says nothing is let go
+
+        def setup(self) -> None:
+            super().setup()
+            if tls is not None:  # the handshake in the connection's own thread, in IDLE_S
+                self.request.do_handshake()
 
     PageHandler.page = page
+    page.tls = tls is not None
+
+    def get_request(self: ThreadingHTTPServer) -> tuple[socket.socket, Any]:
+        raw, address = socket.socket.accept(self.socket)
+        if tls is None:
+            return raw, address
+        return tls.wrap_socket(raw, server_side=True, do_handshake_on_connect=False), address
+
     server_class = type(
         "PageServer",
         (ThreadingHTTPServer,),
-        {"address_family": socket.AF_INET6 if ":" in host else socket.AF_INET},
+        {
+            "address_family": socket.AF_INET6 if ":" in host else socket.AF_INET,
+            "get_request": get_request,
+            # A client that left, or failed its handshake: nothing to say in the journal
+            "handle_error": lambda self, request, address: None,
+        },
     )
     server: ThreadingHTTPServer = server_class((host, port), PageHandler)
     PageHandler.port = server.server_port
