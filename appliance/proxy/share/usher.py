@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import fcntl
 import hashlib
 import itertools
@@ -45,7 +44,6 @@ from appliance.proxy.share.turns import Entry, Turns, fill
 LOCK_FILE = "turns.lock"
 SETTLE_S = 0.3  # a new usher's wait for the running requests to be told again
 RETRY_S = 0.05  # between tries to reach the usher, or to become it
-BIND_S = 10.0  # how long a new usher waits for the last one's socket name to be free
 MOST_LINE = 4096  # bytes of one message, at most
 
 
@@ -215,6 +213,7 @@ class Usher:
             try:
                 if self._take_lock():
                     await self._serve()
+                    return
                 if not await self._follow():
                     await asyncio.sleep(RETRY_S)
             except asyncio.CancelledError:
@@ -239,39 +238,21 @@ class Usher:
         return True
 
     async def _serve(self) -> None:
-        """This worker is the usher: its own requests in, then every other worker's. The last
-        usher's socket may outlive its lock for a moment as its process ends: its name is tried
-        again until it is free. Whatever goes wrong lets the lock go, for another worker."""
+        """This worker is the usher: its own requests in, then every other worker's."""
+        keeper = Keeper(self._grant)
+        self.keeper, self.writer = keeper, None
+        for entry_id, (port, key) in self.running.items():
+            keeper.running(self, port, entry_id, key)
+        for entry_id in list(self.waiting):
+            self._tell_enter(entry_id)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            deadline = time.monotonic() + BIND_S
-            while True:
-                try:
-                    sock.bind(self.name)
-                    break
-                except OSError as e:
-                    if e.errno != errno.EADDRINUSE or time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(RETRY_S)
-            sock.listen(128)
-            keeper = Keeper(self._grant)
-            self.keeper, self.writer = keeper, None
-            for entry_id, (port, key) in self.running.items():
-                keeper.running(self, port, entry_id, key)
-            for entry_id in list(self.waiting):
-                self._tell_enter(entry_id)
-            server = await asyncio.start_unix_server(self._serve_one, sock=sock, limit=MOST_LINE)
-            await asyncio.sleep(SETTLE_S)
-            keeper.hold_until = 0.0  # (the loop's timer may end a hair before the clock says)
-            keeper.fill_all()
-            async with server:
-                await server.serve_forever()
-        finally:
-            self.keeper = None
-            sock.close()
-            if self.lock_fd is not None:
-                os.close(self.lock_fd)
-                self.lock_fd = None
+        sock.bind(self.name)
+        sock.listen(128)
+        server = await asyncio.start_unix_server(self._serve_one, sock=sock, limit=MOST_LINE)
+        await asyncio.sleep(SETTLE_S)
+        keeper.fill_all()
+        async with server:
+            await server.serve_forever()
 
     def _grant(self, owner: Any, port: int, entry_id: str) -> None:
         if owner is self:
