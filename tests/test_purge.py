@@ -81,9 +81,10 @@ def test_the_files_the_proxy_makes_are_the_ones_purge_knows(tmp_path: Path) -> N
     are written out, and this holds them to the proxy's."""
     from appliance import usage
     from appliance.deploy.purge import HELD_FILE, HELD_FOLDERS, ours
-    from appliance.proxy.share import limits, usher
+    from appliance.proxy.share import limits, turns
 
-    assert ours(usher.LOCK_FILE, HELD_FILE)
+    assert ours(turns.Record(tmp_path, 8001).path.name, HELD_FILE)
+    assert ours(turns.Record(tmp_path, None).path.name, HELD_FILE)
     assert limits.KEYS_DIR in HELD_FOLDERS and ours("alice.json", HELD_FOLDERS[limits.KEYS_DIR])
     assert ours("alice.lock", HELD_FOLDERS[limits.KEYS_DIR])
     assert ours(f"{os.getpid()}.jsonl", HELD_FOLDERS[usage.USAGE_DIR])

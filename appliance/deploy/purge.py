@@ -32,11 +32,10 @@ STATE_FILES = frozenset(
     }
 )
 # In the proxy's folder of held requests: a file per worker and runtime port (PID.json,
-# PID-PORT.json), the open counts, the fair turns' usher's lock (turns.lock, and an earlier
-# version's records, turns-PORT.json), and the keys learned from the fleet's other front doors.
+# PID-PORT.json), the open counts, and each runtime port's fair turns (turns-PORT.json,
+# appliance.proxy.share.turns), and the keys learned from the fleet's other front doors.
 HELD_FILE = re.compile(
-    rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?|turns-\d+\.json|turns\.lock"
-    rf"|{re.escape(keyorder.FLEET_FILE)})"
+    rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?|turns-\d+\.json|{re.escape(keyorder.FLEET_FILE)})"
 )
 # ... and its folders: each worker's usage per key (appliance.usage), each limited key's counts
 # (appliance.proxy.share.limits, whose folder name is the proxy's own: "keys").

@@ -1,7 +1,6 @@
-"""The door's fair turns, in one proxy worker: a request takes its place in line
-(`Fair.enter_now`, then `Waiting.turn`) before it is sent to the runtime and gives its turn back
-when its answer ends (`Fair.leave`), through the usher that keeps every worker's turns
-(appliance.proxy.share.usher; the choice itself is appliance.proxy.share.turns).
+"""The door's fair turns, in one proxy worker: a request takes its turn (`Fair.enter`) before it
+is sent to the runtime and gives it back when its answer ends (`Fair.leave`), through the record
+the workers share (appliance.proxy.share.turns).
 
 How the door knows how many requests the runtime runs at once:
 - llama.cpp says it: `total_slots` in its /props, asked with its context (`--parallel`, or the
@@ -16,16 +15,19 @@ them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import os
 import time
 import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 
+from appliance.hold import start_time
 from appliance.people import Person
 from appliance.proxy.asgi import log
 from appliance.proxy.backend import Backend
-from appliance.proxy.share.turns import Entry
-from appliance.proxy.share.usher import Usher
+from appliance.proxy.share.turns import FULL_LOOK_S, POLL_S, Entry, Record, Turns, fill
 from appliance.proxy.waiting import HoldTimeout
 
 DEFAULT_BATCH_WAIT_S = 30.0
@@ -45,39 +47,146 @@ def parse_slots(text: str) -> dict[tuple[int, str], int]:
 class Turn:
     """A request's place among those running: given back once (`Fair.leave`)."""
 
-    def __init__(self, usher: Usher, port: int, entry_id: str, key: str) -> None:
-        self.usher, self.port, self.id, self.key = usher, port, entry_id, key
+    def __init__(self, share: Share, key: str) -> None:
+        self.share, self.key = share, key
 
 
-class Waiting:
-    """A request in line for its turn, and the future its turn sets (maybe already)."""
+class Share:
+    """The turns of one runtime port, as this worker takes them."""
 
-    def __init__(self, usher: Usher, port: int, entry: Entry, slots: int) -> None:
-        self.usher, self.port, self.entry, self.slots = usher, port, entry, slots
-        self.waiter: asyncio.Future[None] | None = None
+    def __init__(
+        self, state_dir: Path, port: int | None, batch_wait_s: float, keep_free: int = 0
+    ) -> None:
+        self.record = Record(state_dir, port)
+        self.batch_wait_s = batch_wait_s
+        self.keep_free = keep_free
+        self.waiters: dict[str, asyncio.Future[None]] = {}
+        self.entries: dict[str, Entry] = {}
+        self.slots = 1
+        self.poller: asyncio.Task[None] | None = None
+        pid = os.getpid()
+        self.me = f"{pid}:{start_time(pid)}"
+        self.numbers = itertools.count()
 
-    async def turn(self, limit_s: float | None) -> Turn:
-        """Wait for the turn (HoldTimeout after `limit_s`; None: no limit). A request cancelled
-        while it waits (its client left) leaves its place, or the place it was just given."""
-        assert self.waiter is not None
+    def enter_now(self, key: str, priority: str, cost: int, slots: int) -> Turn | Waiting:
+        """The request's turn if it runs now (fewer than `slots` run), else its place in line
+        (then `wait`); without leaving the request's task."""
+        self.slots = slots
+        entry = Entry(f"{self.me}:{next(self.numbers)}", key, priority, cost, time.time())
+        with self.record.open() as turns:
+            turns.waiting.append(entry)
+            turns.seen[key] = entry.since
+            self._fill(turns)
+            now = self._take_mine(turns)
+        if entry.id in now:
+            now.discard(entry.id)
+            self._wake(now)
+            return Turn(self, key)
+        self._wake(now)
+        waiter = asyncio.get_running_loop().create_future()
+        self.waiters[entry.id] = waiter
+        self.entries[entry.id] = entry
+        if self.poller is None or self.poller.done():
+            self.poller = asyncio.ensure_future(self._poll())
+        return Waiting(self, entry, waiter)
+
+    async def wait(self, waiting: Waiting, limit_s: float | None) -> Turn:
+        """Wait for the turn of a request in line (HoldTimeout after `limit_s`; None: no limit).
+        Its turn may have come before this wait began (another request ended meanwhile): the
+        future is the request's own, not looked up. A request cancelled while it waits (its
+        client left) leaves its place."""
+        entry, waiter = waiting.entry, waiting.waiter
         started = time.monotonic()
         try:
             await asyncio.wait_for(
-                asyncio.shield(self.waiter), None if limit_s is None else max(0.0, limit_s)
+                asyncio.shield(waiter), None if limit_s is None else max(0.0, limit_s)
             )
         except BaseException as e:
-            self.usher.cancel(self.port, self.entry.id)
+            self.waiters.pop(entry.id, None)
+            self.entries.pop(entry.id, None)
+            self._give_up(entry, admitted=waiter.done() and not waiter.cancelled())
             if isinstance(e, TimeoutError):
                 raise HoldTimeout(
                     f"the runtime runs {self.slots} requests at once and this one waited its "
                     "turn", time.monotonic() - started, retry_after_s=5,
                 ) from None  # fmt: skip
             raise
-        return Turn(self.usher, self.port, self.entry.id, self.entry.key)
+        return Turn(self, entry.key)
+
+    async def enter(
+        self, key: str, priority: str, cost: int, slots: int, limit_s: float | None
+    ) -> Turn:
+        """`enter_now`, then `wait` if it must."""
+        got = self.enter_now(key, priority, cost, slots)
+        return got if isinstance(got, Turn) else await got.turn(limit_s)
+
+    def leave(self, turn: Turn) -> None:
+        with self.record.open() as turns:
+            turns.end(self.me, turn.key)
+            self._fill(turns)
+            mine = self._take_mine(turns)
+        self._wake(mine)
+
+    def _fill(self, turns: Turns) -> None:
+        keep = min(self.keep_free, self.slots - 1)  # one place at least for anyone
+        fill(turns, self.slots, time.time(), self.batch_wait_s, keep)
+
+    def _take_mine(self, turns: Turns) -> set[str]:
+        """This worker's requests that were admitted, taken off the record's granted list."""
+        mine = {i for i in turns.granted if i.rsplit(":", 1)[0] == self.me}
+        if mine:
+            turns.granted = [i for i in turns.granted if i not in mine]
+        return mine
+
+    def _give_up(self, entry: Entry, admitted: bool) -> None:
+        """A waiting request that will not run: out of the queue, or, if it was admitted, its
+        place passed on."""
+        with self.record.open() as turns:
+            if admitted or entry.id in turns.granted:
+                turns.end(self.me, entry.key)
+            turns.waiting = [e for e in turns.waiting if e.id != entry.id]
+            turns.granted = [i for i in turns.granted if i != entry.id]
+            self._fill(turns)
+            mine = self._take_mine(turns)
+        self._wake(mine)
+
+    def _wake(self, admitted: set[str]) -> None:
+        for entry_id in admitted:
+            waiter = self.waiters.pop(entry_id, None)
+            self.entries.pop(entry_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def _poll(self) -> None:
+        """While requests of this worker wait: whether another worker admitted one, and places
+        freed by workers that died or by a change of the runtime's slots."""
+        looked = time.monotonic()
+        while self.waiters:
+            await asyncio.sleep(POLL_S)
+            if not self.record.changed() and time.monotonic() - looked < FULL_LOOK_S:
+                continue
+            looked = time.monotonic()
+            with self.record.open() as turns:
+                self._fill(turns)
+                mine = self._take_mine(turns)
+                known = {e.id for e in turns.waiting} | mine
+                for lost in [i for i in self.waiters if i not in known]:
+                    turns.waiting.append(self.entries[lost])  # a record begun again: back in line
+            self._wake(mine)
+
+
+class Waiting:
+    """A request in line for its turn, and the future its turn sets."""
+
+    def __init__(self, share: Share, entry: Entry, waiter: asyncio.Future[None]) -> None:
+        self.share, self.entry, self.waiter = share, entry, waiter
+
+    async def turn(self, limit_s: float | None) -> Turn:
+        return await self.share.wait(self, limit_s)
 
 
 class Fair:
-    """The turns of every runtime port, in this worker, through the usher."""
+    """The turns of every runtime port, in this worker."""
 
     def __init__(
         self,
@@ -90,34 +199,38 @@ class Fair:
         self.keep_free = keep_free
         self.configured = dict(slots)
         self.batch_wait_s = batch_wait_s
-        self.usher = Usher(state_dir)
+        self.shares: dict[int | None, Share] = {}
         self.said: str | None = None
 
-    def enter_now(self, person: Person, backend: Backend | None, cost: int) -> Waiting | None:
-        """The request's place in line (Waiting, to await; its turn may be there already); None
-        when it takes no turn: the runtime has not said what it is, or the usher's lock cannot
-        be kept (the journal says so, once). Does not leave the request's task."""
+    def enter_now(
+        self, person: Person, backend: Backend | None, cost: int
+    ) -> Turn | Waiting | None:
+        """The request's turn on its runtime (a Turn), or its place in line (Waiting, to await);
+        None when it takes no turn: the runtime has not said what it is, or the shared record
+        cannot be written (the journal says so, once). Does not leave the request's task."""
         facts = backend.known if backend is not None else None  # as the door's checks left it
         if backend is None or facts is None:
             return None
-        port = urllib.parse.urlsplit(backend.url).port or 0
-        slots = facts.slots or self.configured.get((port, facts.engine))
+        port = urllib.parse.urlsplit(backend.url).port
+        slots = facts.slots or self.configured.get((port or 0, facts.engine))
         if slots is None:
             return None
-        entry = Entry(self.usher.new_id(), person.name, person.priority, cost, time.time())
-        waiting = Waiting(self.usher, port, entry, slots)
+        share = self.shares.get(port)
+        if share is None:
+            share = Share(self.state_dir, port, self.batch_wait_s, self.keep_free)
+            self.shares[port] = share
         try:
-            keep = min(self.keep_free, slots - 1)
-            waiting.waiter = self.usher.enter(port, entry, slots, self.batch_wait_s, keep)
+            got = share.enter_now(person.name, person.priority, cost, slots)
         except OSError as e:
             problem = f"b70: cannot keep fair turns in {self.state_dir}: {e.strerror or e}"
             if problem != self.said:
                 self.said = problem
                 log(problem + "; requests go to the runtime as they come")
             return None
-        return waiting
+        return got
 
     @staticmethod
     def leave(turn: Turn | None) -> None:
         if turn is not None:
-            turn.usher.leave(turn.port, turn.id)
+            with contextlib.suppress(OSError):  # the record cannot be written: nothing to free
+                turn.share.leave(turn)
