@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,6 +187,8 @@ def keys_in_force(state_dir: Path) -> tuple[dict[str, Person], dict[str, Person]
     return local, fleet_view(local, read_revoked(state_dir), remote, settled).people
 
 
-def fleet_seq(state_dir: Path, name: str) -> int:
-    """The number of `name`'s last change in the fleet, as this door's proxy last read it."""
-    return seq_of(read_fleet(state_dir)[0].get(name))
+def fleet_bases(state_dir: Path) -> Callable[[str], int]:
+    """The number of each name's last change in the fleet, as this door's proxy last read it
+    (the file read once): the base of a change made now."""
+    remote, _ = read_fleet(state_dir)
+    return lambda name: seq_of(remote.get(name))

@@ -149,13 +149,11 @@ def parse_revoked(text: str) -> dict[str, Revoked]:
         at, base = (
             (entry.get("at"), entry.get("base", 0)) if isinstance(entry, dict) else (entry, 0)
         )
-        if name_problem(str(name)) is None and isinstance(at, int | float) and _time(at):
+        if not isinstance(at, int | float) or isinstance(at, bool) or not math.isfinite(at):
+            continue  # not a time
+        if name_problem(str(name)) is None:
             out[str(name)] = Revoked(float(at), base if _count(base) else 0)
     return out
-
-
-def _time(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def person_of(name: str, entry: object) -> Person | None:

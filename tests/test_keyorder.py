@@ -75,7 +75,7 @@ def test_a_change_on_a_door_takes_the_fleets_number_of_its_name_as_its_base(tmp_
     carol = _person("carol", "c1")
     fleet = {"carol": _theirs(carol, 6), "dave": {"seq": 4, "revoked": 1.0}}
     (held / keyorder.FLEET_FILE).write_text(keyorder.dump_fleet(fleet, {}))
-    with people.editing(tmp_path, base_of=lambda n: keyorder.fleet_seq(tmp_path, n)) as everyone:
+    with people.editing(tmp_path, base_of=keyorder.fleet_bases(tmp_path)) as everyone:
         everyone["carol"] = carol  # `keys revoke carol`, a key made on another door
         del everyone["carol"]
         people.added(everyone, "dave", people.new_secret())  # made again

@@ -74,8 +74,7 @@ class Door:
     def change(self, rng: random.Random, name: str) -> str:
         """A `keys` command at random on NAME, with this door's clock: what it did."""
         _, in_force = keyorder.keys_in_force(self.dir)
-        base_of = lambda n: keyorder.fleet_seq(self.dir, n)  # noqa: E731
-        with people.editing(self.dir, base_of=base_of) as everyone:
+        with people.editing(self.dir, base_of=keyorder.fleet_bases(self.dir)) as everyone:
             if name in in_force:
                 everyone[name] = in_force[name]
             elif name in everyone:

@@ -265,9 +265,7 @@ def _editing(ctx: Context) -> Iterator[dict[str, Any]]:
     owner = _proxy_uid() if ctx.scope is Scope.SYSTEM else None
     state_dir = _state_dir(ctx)
     try:
-        with people.editing(
-            state_dir, owner, base_of=lambda name: keyorder.fleet_seq(state_dir, name)
-        ) as everyone:
+        with people.editing(state_dir, owner, keyorder.fleet_bases(state_dir)) as everyone:
             yield everyone
     except people.KeysUnreadable as e:
         raise _unreadable(e) from None

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from appliance import hold as hold_mark
 from appliance.config import Config, RuntimeConfig
@@ -32,6 +32,9 @@ from appliance.switch.plans import Action, Memory, Observation, judge
 from appliance.switch.recovery import recover_killed_switch
 from appliance.units import runtimes, systemd
 from appliance.watch import samples
+
+if TYPE_CHECKING:
+    import ssl
 
 FAILOVER_BACKOFF_S = 60
 
@@ -192,14 +195,13 @@ def restore(state_dir: Path) -> Memory:
     return m
 
 
-def page_tls(config: Config, lay: Any) -> Any:
-    """The status page's TLS beyond loopback: the proxy's certificate and key ([proxy] tls,
-    which the config asks for there)."""
+def page_tls(config: Config, lay: Layout) -> ssl.SSLContext | None:
+    """The status page's TLS: the proxy's certificate and key ([proxy] tls, which the config
+    asks for beyond loopback); None without it."""
     from appliance.keys import server_context, tls_files
 
-    files = tls_files(True, config.proxy.tls_cert, config.proxy.tls_key, lay.state_dir)
-    assert files is not None
-    return server_context(files.cert, files.key)
+    files = tls_files(config.proxy.tls, config.proxy.tls_cert, config.proxy.tls_key, lay.state_dir)
+    return server_context(files.cert, files.key) if files is not None else None
 
 
 def run(config: Config, scope: Scope, log: Any, once: bool = False) -> dict[str, Any]:
