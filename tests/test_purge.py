@@ -16,7 +16,8 @@ def appliance_files(state: Path) -> None:
     held = state / hold.HELD_DIR
     held.mkdir()
     for name in ("4242.json", "4242-8001.json", "open", "open-8000", ".open-8000.00112233aabb",
-                 "turns-8001.json", "keys-fleet.json"):  # fmt: skip
+                 "turns-8001.json", "turns-8001.db", "turns-8001.db-wal", "turns-8001.db-shm",
+                 "turns-8001.lock", "keys-fleet.json"):  # fmt: skip
         (held / name).write_text("1")
     for folder, names in (("usage", ["4242.jsonl"]), ("keys", ["alice.json", "alice.lock"])):
         (held / folder).mkdir()

@@ -32,10 +32,12 @@ STATE_FILES = frozenset(
     }
 )
 # In the proxy's folder of held requests: a file per worker and runtime port (PID.json,
-# PID-PORT.json), the open counts, and each runtime port's fair turns (turns-PORT.json,
+# PID-PORT.json), the open counts, and each runtime port's fair turns (turns-PORT.db, its
+# write-ahead log and shared memory, turns-PORT.lock, and the JSON of releases before them:
 # appliance.proxy.share.turns), and the keys learned from the fleet's other front doors.
 HELD_FILE = re.compile(
-    rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?|turns-\d+\.json|{re.escape(keyorder.FLEET_FILE)})"
+    rf"(\d+(-\d+)?\.json|{hold.OPEN_FILE}(-\d+)?|turns-\d+\.(json|db|db-wal|db-shm|lock)"
+    rf"|{re.escape(keyorder.FLEET_FILE)})"
 )
 # ... and its folders: each worker's usage per key (appliance.usage), each limited key's counts
 # (appliance.proxy.share.limits, whose folder name is the proxy's own: "keys").

@@ -74,7 +74,7 @@ class Share:
         self.slots = slots
         entry = Entry(f"{self.me}:{next(self.numbers)}", key, priority, cost, time.time())
         with self.record.open() as turns:
-            turns.waiting.append(entry)
+            turns.add(entry)
             turns.seen[key] = entry.since
             self._fill(turns)
             now = self._take_mine(turns)
@@ -133,19 +133,15 @@ class Share:
 
     def _take_mine(self, turns: Turns) -> set[str]:
         """This worker's requests that were admitted, taken off the record's granted list."""
-        mine = {i for i in turns.granted if i.rsplit(":", 1)[0] == self.me}
-        if mine:
-            turns.granted = [i for i in turns.granted if i not in mine]
-        return mine
+        return turns.take_granted(self.me)
 
     def _give_up(self, entry: Entry, admitted: bool) -> None:
         """A waiting request that will not run: out of the queue, or, if it was admitted, its
         place passed on."""
         with self.record.open() as turns:
-            if admitted or entry.id in turns.granted:
+            if turns.ungrant(entry.id) or admitted:
                 turns.end(self.me, entry.key)
-            turns.waiting = [e for e in turns.waiting if e.id != entry.id]
-            turns.granted = [i for i in turns.granted if i != entry.id]
+            turns.remove(entry.id)
             self._fill(turns)
             mine = self._take_mine(turns)
         self._wake(mine)
@@ -167,11 +163,12 @@ class Share:
                 continue
             looked = time.monotonic()
             with self.record.open() as turns:
+                if self.record.begun_again:  # its requests lost with the record: back in line
+                    self.record.begun_again = False
+                    for entry in self.entries.values():
+                        turns.add(entry)
                 self._fill(turns)
                 mine = self._take_mine(turns)
-                known = {e.id for e in turns.waiting} | mine
-                for lost in [i for i in self.waiters if i not in known]:
-                    turns.waiting.append(self.entries[lost])  # a record begun again: back in line
             self._wake(mine)
 
 
