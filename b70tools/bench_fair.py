@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ LIGHT_TOKENS = 8
 GAP_S = 2.0
 WARMUP_S = 5.0
 PROMPT = [{"role": "user", "content": "Write a long story about the sea."}]
+MODEL = ["smollm2"]  # the name served: the demo's, or the B70 stand-in's (--b70)
 
 
 @dataclass
@@ -64,7 +67,7 @@ def heavy_stream(api: Any, phase: Phase, start: float, stop: threading.Event) ->
     while not stop.is_set():
         try:
             stream = api.chat.completions.create(
-                model="smollm2", messages=PROMPT, max_tokens=HEAVY_TOKENS, temperature=0,
+                model=MODEL[0], messages=PROMPT, max_tokens=HEAVY_TOKENS, temperature=0,
                 stream=True, extra_body={"ignore_eos": True},
             )  # fmt: skip
             for chunk in stream:
@@ -87,7 +90,7 @@ def light_request(api: Any, phase: Phase) -> None:
     sent = LAST_LIGHT[0] = time.monotonic()
     try:
         stream = api.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Say hi."}],
+            model=MODEL[0], messages=[{"role": "user", "content": "Say hi."}],
             max_tokens=LIGHT_TOKENS, temperature=0, stream=True,
         )  # fmt: skip
         first = None
@@ -215,6 +218,43 @@ def show(figures: list[dict[str, Any]], usage: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+B70_MODEL = "qwen3.6-35b-a3b"
+
+
+@contextmanager
+def b70_standin(scale: float) -> Iterator[Demo]:
+    """examples/b70.toml's appliance on the B70 stand-in (b70tools.b70_appliance), on a fixture
+    card, under a private user manager; its start-up times scaled by `scale`."""
+    import shutil
+    import tempfile
+    import tomllib
+
+    from b70tools import b70_engine, gpu_trees
+    from b70tools.b70_appliance import standin_text
+
+    where = Path(tempfile.mkdtemp(prefix="bench-fair-b70-", dir=CACHE))
+    tree = gpu_trees.healthy_host(where / "sysroot", [gpu_trees.B70])
+    driver = b70_engine.Driver(tree, release_s=1.0, listen=True)
+    driver.start()
+
+    def edit(text: str) -> str:
+        doc = tomllib.loads(text)
+        proxy, backend, monitor = (
+            doc["proxy"]["port"],
+            doc["backend"]["port"],
+            doc["monitor"]["port"],
+        )
+        return standin_text(proxy, backend, monitor, where / "models", scale)
+
+    env = {"B70_SYSROOT": str(tree), "B70_STANDIN_DRIVER": driver.address}
+    try:
+        with demo_appliance(CACHE, prefix="b70-fair-b70.", rewrite=edit, manager_env=env) as demo:
+            yield demo
+    finally:
+        driver.stop()
+        shutil.rmtree(where, ignore_errors=True)
+
+
 def main() -> None:
     global STREAMS, GAP_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -223,13 +263,38 @@ def main() -> None:
     parser.add_argument("--gap", type=float, default=GAP_S, help="seconds between light's")
     parser.add_argument("--policies", default="off,on,keep1", help="of " + ",".join(POLICIES))
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--b70", action="store_true",
+        help="on the B70 stand-in's vLLM (examples/b70.toml: 64 places, a B70's time per token)",
+    )  # fmt: skip
+    parser.add_argument("--b70-scale", type=float, default=0.05, help="the stand-in's start time")
+    parser.add_argument(
+        "--crowd", type=int, default=0,
+        help="instead: a batch key keeping this many requests waiting, beside a light key "
+        "(b70tools/bench_crowd.py; --policies of on,keep1)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.crowd:
+        from b70tools import bench_crowd
+
+        chosen = args.policies.split(",") if args.policies != "off,on,keep1" else ["on", "keep1"]
+        if any(p not in bench_crowd.POLICIES for p in chosen):
+            named = ", ".join(bench_crowd.POLICIES)
+            raise SystemExit(f"--policies with --crowd: a list of {named}")
+        bench_crowd.crowd_main(args.crowd, args.duration, chosen, args.json)
+        return
     STREAMS, GAP_S = args.streams, args.gap
     chosen = args.policies.split(",")
     if any(p not in POLICIES for p in chosen):
         raise SystemExit(f"--policies: a list of {', '.join(POLICIES)}")
     log = lambda m: print(m, flush=True)  # noqa: E731
-    with demo_appliance(CACHE, prefix="b70-fair.") as demo:
+    appliance = (
+        b70_standin(args.b70_scale) if args.b70 else demo_appliance(CACHE, prefix="b70-fair.")
+    )
+    with appliance as demo:
+        if args.b70:
+            b70ctl(demo, "switch", "vllm")  # --max-num-seqs 64: 64 places
+            MODEL[0] = B70_MODEL
         keys = {name: b70ctl(demo, "keys", "add", name)["key"] for name in ("heavy", "light")}
         started = time.time()
         figures = [policy(demo, keys, p, args.duration, log) for p in chosen]

@@ -86,9 +86,9 @@ def wrap_uvicorn() -> None:
 
 def wrap_door(folder: Path) -> None:
     """The door's steps, noted in the request's own context; one line per request at its end."""
-    from appliance.proxy import direct, door
+    from appliance.proxy import chain, direct, door
 
-    call, init, check = door.Door.__call__, door.Door.__init__, door.Door.check
+    call, init, check = door.Door.__call__, door.Door.__init__, chain.Gate.check_api
 
     async def door_call(self: Any, scope: Any, receive: Any, send: Any) -> None:
         stamps: dict[str, Any] = {**scope.get("b70.bench", {}), "door": time.monotonic()}
@@ -107,13 +107,13 @@ def wrap_door(folder: Path) -> None:
         if n is not None:
             _write(folder, {"n": n, **stamps})
 
-    async def checking(self: Any, scope: Any, receive: Any) -> Any:
-        checked = await check(self, scope, receive)
+    async def checking(self: Any, request: Any) -> Any:
+        refusal = await check(self, request)  # the last of the request's own checks
         note("checked")
         stamps = STAMPS.get()
-        if stamps is not None and checked is not None:
-            stamps["body"] = checked.body
-        return checked
+        if stamps is not None and request.checked is not None:
+            stamps["body"] = request.checked.body
+        return refusal
 
     def door_init(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
@@ -122,7 +122,7 @@ def wrap_door(folder: Path) -> None:
 
     door.Door.__call__ = door_call  # type: ignore[method-assign]
     door.Door.__init__ = door_init  # type: ignore[method-assign]
-    door.Door.check = checking  # type: ignore[method-assign]
+    chain.CHAIN = tuple(checking if c is check else c for c in chain.CHAIN)
     connect = direct._connect_at_once
 
     def connect_at_once(host: str, port: int) -> Any:

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from appliance.proxy import backend as proxy_backend
+from appliance.proxy import chain
 from appliance.proxy import checks as proxy_checks
-from appliance.proxy import door as proxy_door
 from tests.doorkit import AUTH, Clock, Runtime, call, chat, door
 
 # --- against the runtime's context --------------------------------------------------------------
@@ -159,7 +159,7 @@ async def acall(app: Any, body: bytes) -> int:
 @pytest.mark.parametrize("engine", ["vllm", "llamacpp"])
 def test_a_short_prompt_is_never_counted(engine: str) -> None:
     runtime = Runtime(engine, context=2048)
-    door_app, _ = door(runtime, limit=proxy_door.DEFAULT_MAX_BODY_BYTES)
+    door_app, _ = door(runtime, limit=chain.DEFAULT_MAX_BODY_BYTES)
     text = "x" * (2048 - proxy_backend.TEMPLATE_SLACK - 200)
     assert call(door_app, "POST", "/v1/chat/completions", chat(messages=[
         {"role": "user", "content": text}]), AUTH).status == 200  # fmt: skip

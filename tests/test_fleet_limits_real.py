@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,62 @@ def test_redis_out_of_reach_leaves_each_door_its_own_counts_and_says_so_once(
     asyncio.run(main())
     said = capsys.readouterr().err
     assert said.count("cannot keep the keys' limits in Redis") == 1, said
+
+
+async def _contract(limits: Any, settle: Callable[[], Awaitable[None]]) -> list[str]:
+    """One sequence of requests through a door's limits: each admit's outcome ("ok", or the
+    limit its 429 names), the limits' rule as the file (Python) and Redis (Lua) both keep it."""
+    seen: list[str] = []
+
+    async def ask(person: people.Person) -> None:
+        try:
+            await limits.admit_async(person)
+        except Refusal as e:
+            assert e.status == 429 and int(e.headers["Retry-After"]) >= 1, e
+            seen.append(next(w for w in ("max_parallel", "rpm", "tpm") if w in e.message))
+            return
+        seen.append("ok")
+
+    async def end(person: people.Person, tokens: int) -> None:
+        limits.done(person, tokens)
+        await settle()
+
+    alice = people.Person("alice", b"a" * 32, max_parallel=2, rpm=4)
+    for _ in range(3):
+        await ask(alice)  # ok, ok, then over its two at once
+    await end(alice, 10)
+    await ask(alice)  # a place freed: its third request this minute
+    await end(alice, 10)
+    await end(alice, 10)
+    await ask(alice)  # its fourth this minute
+    await ask(alice)  # a fifth: over its rpm, with nothing open beyond one
+    carol = people.Person("carol", b"c" * 32, tpm=50, max_parallel=1)
+    await ask(carol)
+    await ask(carol)  # over its one at once before any tokens
+    await end(carol, 60)
+    await ask(carol)  # 60 tokens this minute: over its tpm
+    return seen
+
+
+CONTRACT = ["ok", "ok", "max_parallel", "ok", "ok", "rpm", "ok", "max_parallel", "tpm"]
+
+
+def test_one_doors_file_and_the_fleets_redis_keep_the_same_limits(
+    tmp_path: Path, redis_port: int
+) -> None:
+    """The rule is written twice, in Python (one door's file, appliance.proxy.share.limits) and
+    in Lua (the fleet's Redis script, appliance.proxy.share.fleet): one contract holds both."""
+    from appliance.proxy.share.limits import Limits
+
+    async def nothing() -> None:
+        return None
+
+    on_file = asyncio.run(_contract(Limits(tmp_path / "file"), nothing))
+
+    async def on_redis(doors: Doors) -> None:
+        door = doors[0]
+        got = await _contract(door, lambda: asyncio.gather(*door.tasks))
+        assert got == CONTRACT, got
+
+    _run(tmp_path, redis_port, on_redis)
+    assert on_file == CONTRACT, on_file

@@ -360,8 +360,8 @@ def test_only_the_master_key_passes_a_switchs_hold_with_its_token(tmp_path: Path
     app, _ = _door(tmp_path)
     tokens: list[str | None] = []
 
-    async def fast(scope: Any, checked: Any, receive: Any, send: Any, token: Any, at: Any) -> None:
-        tokens.append(token)
+    async def fast(request: Any, send: Any) -> None:
+        tokens.append(request.token)
 
     app.fast = fast  # type: ignore[method-assign,assignment]
     hold_token = {"x-b70-hold-token": "t0k3n"}

@@ -15,9 +15,10 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from appliance.proxy import backend, mount
+from appliance.proxy import backend, chain, mount
 from appliance.proxy import door as proxy_door
 from tests.conftest import REPO
+from tests import doorkit
 from tests.doorkit import AUTH, KEY, LIMIT, MODELS, Inner, call, chat, door
 
 # --- routes -------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def test_any_model_path_passes_while_the_served_names_are_not_known() -> None:
 def test_the_route_table_is_the_appliances() -> None:
     """Beside these, GET /v1/models/{name} for the names served (tests/test_door_real.py walks
     every route LiteLLM registers against the running proxy)."""
-    assert set(proxy_door.ROUTES) == {
+    assert set(chain.ROUTES) == {
         "/chat/completions", "/v1/chat/completions", "/completions", "/v1/completions",
         "/models", "/v1/models", "/health/liveliness", "/health/liveness", "/health/readiness",
         "/v1/responses", "/responses", "/v1/messages", "/v1/messages/count_tokens",
@@ -108,7 +109,7 @@ def test_docs_proxy_md_lists_exactly_the_routes_the_door_opens() -> None:
     for row in table.splitlines()[2:]:
         cell = row.split("|")[1]
         listed |= {p for p in re.findall(r"`(/[^`]*)`", cell) if "NAME" not in p}
-    assert listed == set(proxy_door.ROUTES)
+    assert listed == set(chain.ROUTES)
 
 
 def test_probes_need_no_key_and_everything_else_does() -> None:
@@ -129,8 +130,8 @@ def test_probes_need_no_key_and_everything_else_does() -> None:
 
 def test_a_root_path_is_routed_as_starlette_routes_it() -> None:
     scope = {"path": "/api/v1/models", "root_path": "/api"}
-    assert proxy_door.route_path(scope) == "/v1/models"
-    assert proxy_door.route_path({"path": "/apiv1/models", "root_path": "/api"}) == "/apiv1/models"
+    assert chain.route_path(scope) == "/v1/models"
+    assert chain.route_path({"path": "/apiv1/models", "root_path": "/api"}) == "/apiv1/models"
 
 
 # --- the body -----------------------------------------------------------------------------------
@@ -299,7 +300,33 @@ def test_clients_of_plain_http_addresses_build_no_tls_context() -> None:
 
 @pytest.mark.parametrize(
     ("value", "limit"),
-    [("", proxy_door.DEFAULT_MAX_BODY_BYTES), ("1048576", 1048576), ("0", 8 << 20), ("x", 8 << 20)],
+    [("", chain.DEFAULT_MAX_BODY_BYTES), ("1048576", 1048576), ("0", 8 << 20), ("x", 8 << 20)],
 )
 def test_the_body_limit_comes_from_the_environment(value: str, limit: int) -> None:
     assert mount.max_body_bytes({"B70_MAX_BODY_BYTES": value}) == limit
+
+
+def test_the_chain_states_the_order_and_the_first_refusal_is_the_answer() -> None:
+    """appliance.proxy.chain.CHAIN: clear, route, key, size, shape, API, limits, turns, hold.
+    A request wrong at several of them gets the refusal of the first."""
+    names = [check.__name__.removeprefix("check_") for check in chain.CHAIN]
+    assert names == ["clear", "route", "key", "size", "shape", "api", "limits", "turns", "hold"]
+    runtime = doorkit.Runtime("llamacpp", context=64)
+    app, inner = doorkit.door(runtime, limit=1000)
+    big, over = b"x" * 2000, json.dumps(
+        {"model": "smollm2", "messages": [{"role": "user", "content": "x " * 400}]}
+    ).encode()
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    cases = [
+        ("GET", "/v1/chat/completions", big, {}, 405),  # the route (its method), before the key
+        ("POST", "/v1/chat/completions", big, {}, 401),  # the key, before the size
+        ("POST", "/v1/chat/completions", big, {**doorkit.AUTH, **form}, 415),  # a form: size
+        ("POST", "/v1/chat/completions", big, doorkit.AUTH, 413),  # the size, before the shape
+        ("POST", "/v1/chat/completions", b"{", doorkit.AUTH, 400),  # the shape, before the API
+        ("POST", "/v1/chat/completions", over, doorkit.AUTH, 400),  # the API: over the context
+    ]
+    for method, path, body, headers, status in cases:
+        answer = doorkit.call(app, method, path, body, headers)
+        assert answer.status == status, (method, path, headers, answer.status, answer.body)
+    assert json.loads(answer.body)["error"]["code"] == "context_length_exceeded"
+    assert inner.calls == []

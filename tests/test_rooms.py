@@ -28,6 +28,7 @@ RANKS: dict[str, int] = {
 # and nothing imports it (the proxy's config is rendered from data, not from its code).
 PROXY = "proxy"
 MOST_MODULES = 10  # in any one folder, its __init__ aside
+MOST_LINES = 500  # in any one module
 
 
 def module_name(path: Path) -> str:
@@ -82,6 +83,9 @@ def test_every_room_is_known_and_small() -> None:
             continue
         mods = [p for p in folder.glob("*.py") if p.name != "__init__.py"]
         assert len(mods) <= MOST_MODULES, f"{folder.relative_to(PACKAGE.parent)}: {len(mods)}"
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in modules().values()
+            if (n := len(p.read_text().splitlines())) > MOST_LINES}  # fmt: skip
+    assert not long, f"modules over {MOST_LINES} lines: {long}"
 
 
 def test_each_room_says_what_it_is_for_and_what_it_may_import() -> None:

@@ -286,41 +286,6 @@ class _Reader(CardKeys, ServingKeys):
         cert, key = paths if paths else (None, None)
         return tls, cert, key
 
-    def monitor(self, t: Mapping[str, Any], names: set[str]) -> MonitorConfig:
-        p = "monitor."
-        allowed = {
-            "host",
-            "port",
-            "interval_s",
-            "health_timeout_s",
-            "probe_completion",
-            "probe_timeout_s",
-            "hang_after",
-            "restart_tries",
-            "fallback",
-        }
-        self.known(t, p, allowed)
-        fallback = self.get(t, "fallback", p, str, "") or None
-        if fallback is not None and fallback not in names:
-            raise self.fail(p + "fallback", f"{fallback!r} is not a configured runtime")
-        return MonitorConfig(
-            host=self.get(t, "host", p, str, "127.0.0.1", check_host),
-            port=self.get(t, "port", p, int, 9101, check_port),
-            interval_s=self.get(
-                t, "interval_s", p, float, 5.0, check_range(0, HOUR_S, low_open=True)
-            ),
-            health_timeout_s=self.get(
-                t, "health_timeout_s", p, float, 5.0, check_range(0, 600, low_open=True)
-            ),
-            probe_completion=self.get(t, "probe_completion", p, bool, True),
-            probe_timeout_s=self.get(
-                t, "probe_timeout_s", p, float, 30.0, check_range(0, HOUR_S, low_open=True)
-            ),
-            hang_after=self.get(t, "hang_after", p, int, 3, check_range(1, 1000)),
-            restart_tries=self.get(t, "restart_tries", p, int, 2, check_range(0, 100)),
-            fallback=fallback,
-        )
-
     def backend(self, t: Mapping[str, Any]) -> BackendConfig:
         p = "backend."
         self.known(t, p, {"host", "port"})

@@ -41,7 +41,7 @@ from collections.abc import Awaitable, Callable, Collection, Mapping
 from contextvars import ContextVar
 from typing import Any
 
-from appliance.proxy.asgi import Send
+from appliance.proxy import Send
 from appliance.proxy.backend import (
     CHAT,
     COMPLETION,

@@ -41,8 +41,7 @@ from typing import Any, ClassVar, Protocol
 
 import h11
 
-from appliance.proxy import apis
-from appliance.proxy.asgi import Message, Receive, Send, log
+from appliance.proxy import Message, Receive, Send, apis, log
 from appliance.proxy.backend import CHAT, COMPLETION
 from appliance.proxy.checks import Refusal
 
@@ -105,6 +104,10 @@ class Target:
 class Replicas(Protocol):
     """LiteLLM's router choosing among a model's several deployments on the appliance's runtimes
     (replicas, one per card), for the door to send the request there itself."""
+
+    def serves(self, model: str) -> bool:
+        """Whether the name is such a set (then `choose` holds its requests, not the door)."""
+        ...
 
     async def choose(self, model: str, token: str | None) -> Target | None:
         """The replica the router picks among those that serve now (a switch's own request:

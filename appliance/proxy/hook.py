@@ -35,8 +35,7 @@ from litellm.proxy._types import LitellmUserRoles, ProxyException, UserAPIKeyAut
 
 from appliance import hold as hold_mark
 from appliance.proxy import backend as backend_mod
-from appliance.proxy import door, mount, routing
-from appliance.proxy.asgi import log
+from appliance.proxy import chain, log, mount, routing
 from appliance.proxy.checks import Refusal
 from appliance.proxy.waiting import HEALTH_TIMEOUT_S, HoldTimeout, Probe, Turnstile
 
@@ -230,8 +229,8 @@ async def authenticate(request: Request, api_key: str) -> UserAPIKeyAuth:
     else is a 401 that says what is wrong. The door checked the key already: only its own routes
     reach LiteLLM, whatever role LiteLLM gives."""
     try:
-        door.whose_key(mount.key_ring(), api_key)
+        chain.whose_key(mount.key_ring(), api_key)
     except Refusal as refusal:
         raise _unauthorized(refusal.message) from None
-    given = door.given_key(api_key)
+    given = chain.given_key(api_key)
     return UserAPIKeyAuth(api_key=given, user_role=LitellmUserRoles.PROXY_ADMIN)

@@ -21,17 +21,10 @@ from typing import Any
 
 from appliance.hold import PEER_HEADER
 from appliance.people import KEYS_FILE, KeyRing
-from appliance.proxy import direct
-from appliance.proxy.asgi import ASGIApp, log
+from appliance.proxy import ASGIApp, direct, log
 from appliance.proxy.backend import Backend
-from appliance.proxy.door import (
-    DEFAULT_MAX_BODY_BYTES,
-    Direct,
-    Door,
-    Hold,
-    HoldNow,
-    Readiness,
-)
+from appliance.proxy.chain import DEFAULT_MAX_BODY_BYTES, Direct, Hold, HoldNow
+from appliance.proxy.door import Door, Readiness
 from appliance.proxy.relay import WaitReady
 from appliance.proxy.share import fleet, tls
 from appliance.proxy.share.fair import DEFAULT_BATCH_WAIT_S, Fair, parse_slots

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from appliance.proxy.asgi import ASGIApp, Message, Receive, Send, log
+from appliance.proxy import ASGIApp, Message, Receive, Send, log
 from appliance.proxy.backend import CHAT, COMPLETION
 from appliance.proxy.checks import Refusal
 from appliance.proxy.waiting import HoldTimeout

@@ -81,6 +81,10 @@ class Routing:
             found = self._peers[url] = Peer(url)
         return found
 
+    def serves(self, model: str) -> bool:
+        """For the door: whether `model` is served by several deployments (replicas, peers)."""
+        return self.runtimes is not None and self.runtimes.replicas_of(model) is not None
+
     async def choose(self, model: str, token: str | None) -> direct.Target | None:
         """For the door: the replica (or peer) of `model` that LiteLLM's router picks among
         those that serve now, counted open there; None when the name has one deployment (the

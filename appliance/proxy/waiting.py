@@ -26,7 +26,7 @@ from appliance.hold import (
     write_counts,
 )
 from appliance.keys import same_secret
-from appliance.proxy.asgi import log
+from appliance.proxy import log
 
 POLL_S = 0.2
 HEALTH_TIMEOUT_S = 2.0  # a /health (or a peer's readiness) that takes longer is busy, not down

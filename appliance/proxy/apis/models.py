@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from appliance import apis
-from appliance.proxy.asgi import Message, Send
+from appliance.proxy import Message, Send
 
 # name -> {runtime: {"engine": ..., "apis": [...]}}, as rendered into the deployments' model_info
 RuntimesOf = Callable[[str], Mapping[str, Mapping[str, Any]] | None]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from appliance.hold import start_time
 from appliance.people import Person
-from appliance.proxy.asgi import log
+from appliance.proxy import log
 from appliance.proxy.backend import Backend
 from appliance.proxy.share.turns import FULL_LOOK_S, POLL_S, Entry, Record, Turns, fill
 from appliance.proxy.waiting import HoldTimeout

@@ -48,7 +48,7 @@ from appliance.keyorder import (
     read_fleet,
 )
 from appliance.people import LOOK_EVERY_S, KeyRing, Person
-from appliance.proxy.asgi import log
+from appliance.proxy import log
 from appliance.proxy.share.limits import WINDOW_S, Limits, refused
 from appliance.usage import FLEET_USAGE, FLUSH_S, HOUR_S, RETAIN_S, Use
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from appliance.hold import HELD_DIR, start_time, write_shared
 from appliance.people import Person
-from appliance.proxy.asgi import log
+from appliance.proxy import log
 from appliance.proxy.checks import Refusal
 
 KEYS_DIR = "keys"  # in HELD_DIR

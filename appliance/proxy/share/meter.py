@@ -14,7 +14,7 @@ import contextlib
 import json
 from typing import Any
 
-from appliance.proxy.asgi import Message, Send
+from appliance.proxy import Message, Send
 
 MAX_KEPT = 1 << 20  # of a JSON answer, or of one stream line, read for its usage
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance.keys import file_fingerprint, server_context
-from appliance.proxy.asgi import log
+from appliance.proxy import log
 from appliance.proxy.checks import Refusal
 
 HANDSHAKE = 0x16  # the first byte of a TLS record that carries a handshake (RFC 8446, 5.1)

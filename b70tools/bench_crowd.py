@@ -1,0 +1,249 @@
+"""A crowd at the door (run through `scripts/bench-fair --crowd N`).
+
+The demo appliance under a private user manager, llama.cpp serving with `--parallel 2`, two
+keys made with `b70ctl keys add`: `crowd`, a batch key (`--priority batch`), keeps N requests
+open at all times (8 tokens each; one that ends or is refused is sent again), so that about N
+wait their turn at the door; `light`, an interactive key, sends one streamed request every
+GAP_S seconds, and its time to first token (from its send to its first chunk with text) is
+taken. The hold's limit is raised (HOLD_S) so that the crowd waits rather than gets 503s.
+
+Under each policy (`on`, as shipped; `keep1`, `keep_free = 1`), in one run: light alone, then
+light beside a crowd of SMALL_CROWD, then beside a crowd of N. Each phase with a crowd first
+waits until the door holds the crowd (RAMP_S at most), then measures for DURATION seconds:
+- the requests waiting at the door, read from the door's own record of turns (the most, and
+  the mean, sampled every second);
+- light's p50 and p95 time to first token, and its p95 against its p95 alone;
+- the door's CPU per answered request: the CPU time of the proxy's processes (its main process
+  and its workers, from /proc) over the phase, divided by the requests answered in the phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import resource
+import sqlite3
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from b70tools.bench_demand import CACHE, percentile
+from b70tools.demo_appliance import Demo, demo_appliance
+
+SMALL_CROWD = 5
+GAP_S = 1.0
+HOLD_S = 1800
+RAMP_S = 300.0
+POLICIES = {"on": "", "keep1": "keep_free = 1"}
+BATCH_BODY = {"model": "smollm2", "max_tokens": 8, "temperature": 0,
+              "messages": [{"role": "user", "content": "Say hi."}]}  # fmt: skip
+LIGHT_BODY = {**BATCH_BODY, "stream": True}
+
+
+@dataclass
+class Phase:
+    crowd: int
+    ttft_s: list[float] = field(default_factory=list)
+    answered: int = 0  # requests answered 200 in the measured window, both keys
+    refused: int = 0  # crowd requests answered otherwise (then sent again)
+    errors: list[str] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)  # sampled in the measured window
+    cpu_s: float = 0.0
+    seconds: float = 0.0
+
+
+def b70ctl(demo: Demo, *args: str) -> dict[str, Any]:
+    out = subprocess.run([*demo.b70ctl, *args, "--json"], env=demo.env, capture_output=True,
+                         text=True, check=False)  # fmt: skip
+    doc: dict[str, Any] = json.loads(out.stdout or "{}")
+    if not doc.get("ok"):
+        raise SystemExit(f"b70ctl {' '.join(args)}: {doc.get('error')}")
+    return doc["result"]
+
+
+def door_cpu_s(demo: Demo) -> float:
+    """CPU seconds of the proxy's main process and its workers so far."""
+    pid = subprocess.run(
+        ["systemctl", "--user", "show", "-p", "MainPID", "--value", "b70-litellm.service"],
+        env=demo.env, capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    main = psutil.Process(int(pid))
+    total = 0.0
+    for proc in [main, *main.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def waiting_at_the_door(demo: Demo) -> int:
+    """Requests waiting their turn, as the door's record of turns has them."""
+    held = Path(demo.env["XDG_STATE_HOME"]) / "b70" / "held"
+    total = 0
+    for path in held.glob("turns-*.db"):
+        with contextlib.suppress(sqlite3.Error):
+            db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+            try:
+                total += int(db.execute("SELECT COALESCE(SUM(count), 0) FROM queued").fetchone()[0])
+            finally:
+                db.close()
+    return total
+
+
+async def run_phase(
+    demo: Demo, keys: dict[str, str], crowd: int, seconds: float, log: Any
+) -> Phase:
+    phase = Phase(crowd)
+    measuring = asyncio.Event()
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=crowd + 64, max_keepalive_connections=crowd + 64)
+    url = f"http://127.0.0.1:{demo.proxy_port}/v1/chat/completions"
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(HOLD_S + 60.0)) as http:
+
+        async def batch() -> None:
+            headers = {"Authorization": f"Bearer {keys['crowd']}"}
+            while not stop.is_set():
+                try:
+                    r = await http.post(url, json=BATCH_BODY, headers=headers)
+                except httpx.HTTPError as e:
+                    phase.errors.append(f"crowd: {type(e).__name__}: {e}"[:200])
+                    await asyncio.sleep(1.0)
+                    continue
+                if not measuring.is_set() or stop.is_set():
+                    continue
+                if r.status_code == 200:
+                    phase.answered += 1
+                else:
+                    phase.refused += 1
+                    await asyncio.sleep(1.0)
+
+        async def light() -> None:
+            headers = {"Authorization": f"Bearer {keys['light']}"}
+            sent = time.monotonic()
+            first = None
+            try:
+                async with http.stream("POST", url, json=LIGHT_BODY, headers=headers) as r:
+                    async for line in r.aiter_lines():
+                        text = '"content":"' in line and '"content":""' not in line
+                        if first is None and line.startswith("data: {") and text:
+                            first = time.monotonic() - sent
+                ok = r.status_code == 200
+            except httpx.HTTPError as e:
+                phase.errors.append(f"light: {type(e).__name__}: {e}"[:200])
+                return
+            if ok and first is not None and measuring.is_set() and not stop.is_set():
+                phase.ttft_s.append(first)
+                phase.answered += 1
+
+        tasks = []
+        for i in range(crowd):
+            tasks.append(asyncio.create_task(batch()))
+            if i % 100 == 99:
+                await asyncio.sleep(0.05)  # the crowd comes in over a moment, not in one packet
+        ramp_end = time.monotonic() + RAMP_S
+        while crowd and time.monotonic() < ramp_end:
+            now_waiting = await asyncio.to_thread(waiting_at_the_door, demo)
+            if now_waiting >= crowd - 4:  # all but those running (and one more, alone)
+                break
+            await asyncio.sleep(1.0)
+        log(f"  crowd of {crowd}: {await asyncio.to_thread(waiting_at_the_door, demo)} waiting")
+        cpu0, t0 = await asyncio.to_thread(door_cpu_s, demo), time.monotonic()
+        measuring.set()
+        lights: list[asyncio.Task[None]] = []
+        at = t0
+        while at < t0 + seconds:
+            lights.append(asyncio.create_task(light()))
+            phase.waiting.append(await asyncio.to_thread(waiting_at_the_door, demo))
+            at += GAP_S
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+        await asyncio.gather(*lights)
+        phase.seconds = time.monotonic() - t0
+        phase.cpu_s = await asyncio.to_thread(door_cpu_s, demo) - cpu0
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return phase
+
+
+def set_policy(demo: Demo, policy: str) -> None:
+    config = Path(demo.b70ctl[demo.b70ctl.index("--config") + 1])
+    lines = [ln for ln in config.read_text().splitlines() if ln.split(" = ")[0] != "keep_free"]
+    at = lines.index("[proxy]") + 1
+    lines[at:at] = [POLICIES[policy]] if POLICIES[policy] else []
+    config.write_text("\n".join(lines) + "\n")
+    b70ctl(demo, "install")
+
+
+def figures(policy: str, alone: Phase, phase: Phase) -> dict[str, Any]:
+    alone_p95 = percentile(alone.ttft_s, 95)
+    p95 = percentile(phase.ttft_s, 95)
+    return {
+        "policy": policy, "crowd": phase.crowd,
+        "waiting_most": max(phase.waiting, default=0),
+        "waiting_mean": statistics.fmean(phase.waiting) if phase.waiting else 0.0,
+        "light_requests": len(phase.ttft_s),
+        "light_p50_s": statistics.median(phase.ttft_s) if phase.ttft_s else None,
+        "light_p95_s": p95, "light_alone_p95_s": alone_p95,
+        "light_p95_ratio": p95 / alone_p95 if p95 and alone_p95 else None,
+        "answered": phase.answered, "refused": phase.refused, "errors": phase.errors,
+        "door_cpu_s": phase.cpu_s, "seconds": phase.seconds,
+        "cpu_ms_per_request": 1000 * phase.cpu_s / phase.answered if phase.answered else None,
+    }  # fmt: skip
+
+
+def show(rows: list[dict[str, Any]]) -> str:
+    def s(v: float | None, f: str = ".2f") -> str:
+        return "-" if v is None else format(v, f)
+
+    lines = [
+        "policy  crowd  waiting most/mean  light p50  light p95 / alone (s)  p95 ratio  "
+        "answered  door CPU ms/request  refused  errors"
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['policy']:<6}  {r['crowd']:>5}  {r['waiting_most']:>8} / {r['waiting_mean']:<7.0f}"
+            f"  {s(r['light_p50_s']):>9}  {s(r['light_p95_s']):>10}"
+            f" / {s(r['light_alone_p95_s']):<8}"
+            f"  {s(r['light_p95_ratio']):>9}  {r['answered']:>8}  {s(r['cpu_ms_per_request']):>19}"
+            f"  {r['refused']:>7}  {len(r['errors']):>6}"
+        )
+    lines.append("target: light p95 at most 2x its p95 alone; the door's CPU per request the same")
+    lines.append("policies: " + "; ".join(f"{k}: [proxy] {v or 'as shipped'}" for k, v in
+                                          POLICIES.items()))  # fmt: skip
+    return "\n".join(lines)
+
+
+def crowd_main(crowd: int, seconds: float, policies: list[str], json_out: Path | None) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * crowd + 1024)), hard))
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    rows: list[dict[str, Any]] = []
+
+    def rewrite(text: str) -> str:
+        return text.replace("hold_s = 120", f"hold_s = {HOLD_S}")
+
+    with demo_appliance(CACHE, prefix="b70-crowd.", rewrite=rewrite) as demo:
+        keys = {
+            "crowd": b70ctl(demo, "keys", "add", "crowd", "--priority", "batch")["key"],
+            "light": b70ctl(demo, "keys", "add", "light")["key"],
+        }
+        for policy in policies:
+            set_policy(demo, policy)
+            log(f"{policy}: light alone")
+            alone = asyncio.run(run_phase(demo, keys, 0, seconds, log))
+            for size in (SMALL_CROWD, crowd):
+                log(f"{policy}: light beside a crowd of {size}")
+                phase = asyncio.run(run_phase(demo, keys, size, seconds, log))
+                rows.append(figures(policy, alone, phase))
+                log(json.dumps({k: v for k, v in rows[-1].items() if k != "errors"}))
+    print(show(rows))
+    if json_out:
+        json_out.write_text(json.dumps(rows, indent=1))
