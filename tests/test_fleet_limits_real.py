@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio

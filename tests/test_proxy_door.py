@@ -17,8 +17,8 @@ from starlette.routing import Route
 
 from appliance.proxy import backend, chain, mount
 from appliance.proxy import door as proxy_door
-from tests.conftest import REPO
 from tests import doorkit
+from tests.conftest import REPO
 from tests.doorkit import AUTH, KEY, LIMIT, MODELS, Inner, call, chat, door
 
 # --- routes -------------------------------------------------------------------------------------
@@ -313,9 +313,12 @@ def test_the_chain_states_the_order_and_the_first_refusal_is_the_answer() -> Non
     assert names == ["clear", "route", "key", "size", "shape", "api", "limits", "turns", "hold"]
     runtime = doorkit.Runtime("llamacpp", context=64)
     app, inner = doorkit.door(runtime, limit=1000)
-    big, over = b"x" * 2000, json.dumps(
-        {"model": "smollm2", "messages": [{"role": "user", "content": "x " * 400}]}
-    ).encode()
+    big, over = (
+        b"x" * 2000,
+        json.dumps(
+            {"model": "smollm2", "messages": [{"role": "user", "content": "x " * 400}]}
+        ).encode(),
+    )
     form = {"content-type": "application/x-www-form-urlencoded"}
     cases = [
         ("GET", "/v1/chat/completions", big, {}, 405),  # the route (its method), before the key

@@ -180,13 +180,9 @@ class Door(Gate):
         answered; else it must go the full way, and the number of times it was sent to this
         runtime already (each counts toward relay.REPLAYS: a request that kills its runtime is
         not sent again and again)."""
-        checked, scope, receive, token = (
-            request.checked,
-            request.scope,
-            request.receive,
-            request.token,
-        )
+        checked = request.checked
         assert checked is not None
+        scope, receive, token = request.scope, request.receive, request.token
         if checked.kind in apis.BY_KIND:
             await self.to_runtime(request, send)
             return None
@@ -234,14 +230,9 @@ class Door(Gate):
         before its first byte (at most relay.REPLAYS times more, within the hold time, held
         again each time), and the runtime's error answered in the API's shape. These routes
         have no full way through LiteLLM: both engines serve each of these APIs themselves."""
-        checked, scope, receive, token = (
-            request.checked,
-            request.scope,
-            request.receive,
-            request.token,
-        )
+        checked, arrived = request.checked, request.arrived
         assert checked is not None
-        arrived = request.arrived
+        scope, receive, token = request.scope, request.receive, request.token
         for attempt in range(REPLAYS + 1):
             try:
                 again = attempt > 0 or not request.held
