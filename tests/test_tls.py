@@ -296,3 +296,86 @@ def test_the_refusal_says_where_to_go_and_what_to_trust(made: tuple[Path, Path])
     assert "https://box.example:8000" in refusal.message and cert.fingerprint in refusal.message
     odd = tls.InClear(cert)(_scope("10.0.0.7", host="evil\r\nname"))
     assert odd is not None and "https://THIS-HOST:8000" in odd.message
+
+
+def _tls_client(port: int, made: tuple[Path, Path], then: Callable[[ssl.SSLSocket], Any]) -> Any:
+    """A blocking TLS client that completes its handshake, then does `then` (3 s at most)."""
+    import socket
+
+    trust = ssl.create_default_context(cafile=str(made[0]))
+    raw = socket.create_connection(("127.0.0.1", port), timeout=3)
+    with trust.wrap_socket(raw, server_hostname="localhost") as client:
+        return then(client)
+
+
+def _against_the_door(made: tuple[Path, Path], then: Callable[[ssl.SSLSocket], Any]) -> Any:
+    async def main() -> Any:
+        cert = tls.Certificate(*made)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: tls.FirstByte(Echo, cert), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await asyncio.to_thread(_tls_client, port, made, then)
+        finally:
+            server.close()
+
+    return asyncio.run(main())
+
+
+def test_a_clients_close_notify_is_answered_with_the_doors(made: tuple[Path, Path]) -> None:
+    """The client ends TLS (close_notify) and waits for the door's: `unwrap` returns once it
+    comes, and times out (3 s) if it never does, as it did when the door read the client's
+    close_notify as an empty chunk."""
+
+    def ask_then_close(client: ssl.SSLSocket) -> bytes:
+        client.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        seen = client.recv(5)
+        while len(seen) < 300_000:  # the whole answer, so that only the close is left
+            seen += client.recv(65536)
+        client.unwrap()  # sends ours, then reads the door's
+        return seen[:5]
+
+    assert _against_the_door(made, ask_then_close) == b"HTTP/"
+
+
+def test_a_client_that_completes_its_handshake_and_sends_nothing_is_closed(
+    made: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handshake is no request: the door closes the connection after FIRST_BYTES_S, as it
+    closes a plain connection that sends nothing (it stayed open past 75 s before)."""
+    monkeypatch.setattr(tls, "FIRST_BYTES_S", 0.5)
+
+    def wait(client: ssl.SSLSocket) -> bytes:
+        try:
+            return client.recv(1)  # b"": closed by the door; a TimeoutError after 3 s if held
+        except (ssl.SSLError, ConnectionError):
+            return b""  # closed by the door without a close_notify
+
+    assert _against_the_door(made, wait) == b""
+
+
+def test_a_tls12_clients_renegotiation_is_refused(made: tuple[Path, Path]) -> None:
+    """openssl s_client over TLS 1.2, told to renegotiate ("R" on its input): the door refuses
+    (OP_NO_RENEGOTIATION, appliance.keys.server_context), where OpenSSL would otherwise accept
+    a client's renegotiation."""
+    assert keys.server_context(*made).options & ssl.OP_NO_RENEGOTIATION
+
+    def renegotiate(port: int) -> str:
+        out = subprocess.run(
+            ["openssl", "s_client", "-tls1_2", "-connect", f"127.0.0.1:{port}",
+             "-CAfile", str(made[0]), "-servername", "localhost"],
+            input="R\n", capture_output=True, text=True, timeout=20, check=False,
+        )  # fmt: skip
+        return out.stdout + out.stderr
+
+    async def main() -> str:
+        cert = tls.Certificate(*made)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: tls.FirstByte(Echo, cert), "127.0.0.1", 0)
+        try:
+            return await asyncio.to_thread(renegotiate, server.sockets[0].getsockname()[1])
+        finally:
+            server.close()
+
+    said = asyncio.run(main())
+    assert "RENEGOTIATING" in said and "no renegotiation" in said.lower(), said[-2000:]

@@ -34,7 +34,7 @@ from appliance.proxy import log
 from appliance.proxy.checks import Refusal
 
 HANDSHAKE = 0x16  # the first byte of a TLS record that carries a handshake (RFC 8446, 5.1)
-FIRST_BYTES_S = 10.0  # a connection that sends nothing, or no whole handshake, in this is closed
+FIRST_BYTES_S = 10.0  # a connection with no request in this is closed (a handshake is no request)
 READ_BYTES = 64 * 1024  # at most, per read of the decrypted stream
 LOOK_S = 5.0  # how often the certificate files are looked at, at most
 _HEX_COLON = "0123456789abcdefABCDEF:."
@@ -96,15 +96,16 @@ class FirstByte(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_later(FIRST_BYTES_S, self._silent)
 
     def _silent(self) -> None:
-        """No request (nor handshake) in time: the connection is closed."""
+        """No request in time, in clear or over TLS (a handshake alone is no request): the
+        connection is closed, as uvicorn closes one idle after its last answer."""
         self.timer = None
-        if self.tls is None or not self.tls.handshaken:
+        if self.tls is None or not self.tls.delivered:
             self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.tls is not None:
             self.tls.received(data)
-            if self.tls.handshaken and self.timer is not None:
+            if self.tls.delivered and self.timer is not None:
                 self.timer.cancel()
                 self.timer = None
             return
@@ -152,6 +153,7 @@ class Tls(asyncio.Transport):
         self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = context.wrap_bio(self.incoming, self.outgoing, server_side=True)
         self.handshaken = False
+        self.delivered = False  # bytes of a request reached uvicorn's protocol
         self.protocol: asyncio.Protocol | None = None
         self.closing = False
 
@@ -180,11 +182,12 @@ class Tls(asyncio.Transport):
                 chunk = self.tls.read(READ_BYTES)
             except ssl.SSLWantReadError:
                 break
-            except ssl.SSLZeroReturnError:  # the client's close_notify
-                self.eof_received()
+            except ssl.SSLZeroReturnError:
+                chunk = b""
+            if not chunk:  # the client's close_notify (the ssl module reads it as no bytes)
+                self.eof_received()  # answered with ours, and the connection closed
                 break
-            if not chunk:
-                break
+            self.delivered = True
             self.protocol.data_received(chunk)
         self._flush()
 
