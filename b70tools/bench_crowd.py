@@ -13,8 +13,9 @@ waits until the door holds the crowd (RAMP_S at most), then measures for DURATIO
 - the requests waiting at the door, read from the door's own record of turns (the most, and
   the mean, sampled every second);
 - light's p50 and p95 time to first token, and its p95 against its p95 alone;
-- the door's CPU per answered request: the CPU time of the proxy's processes (its main process
-  and its workers, from /proc) over the phase, divided by the requests answered in the phase.
+- the door's CPU: the CPU time of the proxy's processes (its main process and its workers, from
+  /proc) over the phase, a second and per answered request.
+The crowd runs in a process of its own, so that its event loop's work does not delay light's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import resource
 import sqlite3
 import statistics
@@ -97,79 +99,120 @@ def waiting_at_the_door(demo: Demo) -> int:
     return total
 
 
+class Counts:
+    """What the crowd's process counts, shared with the bench's."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self.measuring, self.stop = ctx.Event(), ctx.Event()
+        self.answered, self.refused, self.errors = (
+            ctx.Value("i", 0),
+            ctx.Value("i", 0),
+            ctx.Value("i", 0),
+        )
+        self.ctx = ctx
+
+
+def crowd_process(url: str, key: str, crowd: int, counts: Counts) -> None:
+    """The crowd, in a process of its own (its event loop's work is not the light key's):
+    `crowd` requests kept open, each sent again when it ends."""
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=crowd + 64, max_keepalive_connections=crowd + 64)
+        timeout = httpx.Timeout(HOLD_S + 60.0)
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as http:
+
+            async def batch() -> None:
+                while not counts.stop.is_set():
+                    try:
+                        r = await http.post(url, json=BATCH_BODY, headers=headers)
+                    except httpx.HTTPError:
+                        counts.errors.value += 1
+                        await asyncio.sleep(1.0)
+                        continue
+                    if counts.measuring.is_set() and not counts.stop.is_set():
+                        if r.status_code == 200:
+                            counts.answered.value += 1
+                        else:
+                            counts.refused.value += 1
+                    if r.status_code != 200:
+                        await asyncio.sleep(1.0)
+
+            tasks = []
+            for i in range(crowd):
+                tasks.append(asyncio.create_task(batch()))
+                if i % 100 == 99:
+                    await asyncio.sleep(0.05)  # the crowd comes over a moment, not in one packet
+            while not counts.stop.is_set():
+                await asyncio.sleep(0.2)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 async def run_phase(
     demo: Demo, keys: dict[str, str], crowd: int, seconds: float, log: Any
 ) -> Phase:
     phase = Phase(crowd)
-    measuring = asyncio.Event()
-    stop = asyncio.Event()
-    limits = httpx.Limits(max_connections=crowd + 64, max_keepalive_connections=crowd + 64)
     url = f"http://127.0.0.1:{demo.proxy_port}/v1/chat/completions"
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(HOLD_S + 60.0)) as http:
+    counts = Counts()
+    crowd_proc = counts.ctx.Process(target=crowd_process, args=(url, keys["crowd"], crowd, counts))
+    if crowd:
+        crowd_proc.start()
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(HOLD_S + 60.0)) as http:
 
-        async def batch() -> None:
-            headers = {"Authorization": f"Bearer {keys['crowd']}"}
-            while not stop.is_set():
+            async def light() -> None:
+                headers = {"Authorization": f"Bearer {keys['light']}"}
+                sent = time.monotonic()
+                first = None
                 try:
-                    r = await http.post(url, json=BATCH_BODY, headers=headers)
+                    async with http.stream("POST", url, json=LIGHT_BODY, headers=headers) as r:
+                        async for line in r.aiter_lines():
+                            text = '"content":"' in line and '"content":""' not in line
+                            if first is None and line.startswith("data: {") and text:
+                                first = time.monotonic() - sent
+                    ok = r.status_code == 200
                 except httpx.HTTPError as e:
-                    phase.errors.append(f"crowd: {type(e).__name__}: {e}"[:200])
-                    await asyncio.sleep(1.0)
-                    continue
-                if not measuring.is_set() or stop.is_set():
-                    continue
-                if r.status_code == 200:
+                    phase.errors.append(f"light: {type(e).__name__}: {e}"[:200])
+                    return
+                if ok and first is not None and not counts.stop.is_set():
+                    phase.ttft_s.append(first)
                     phase.answered += 1
-                else:
-                    phase.refused += 1
-                    await asyncio.sleep(1.0)
 
-        async def light() -> None:
-            headers = {"Authorization": f"Bearer {keys['light']}"}
-            sent = time.monotonic()
-            first = None
-            try:
-                async with http.stream("POST", url, json=LIGHT_BODY, headers=headers) as r:
-                    async for line in r.aiter_lines():
-                        text = '"content":"' in line and '"content":""' not in line
-                        if first is None and line.startswith("data: {") and text:
-                            first = time.monotonic() - sent
-                ok = r.status_code == 200
-            except httpx.HTTPError as e:
-                phase.errors.append(f"light: {type(e).__name__}: {e}"[:200])
-                return
-            if ok and first is not None and measuring.is_set() and not stop.is_set():
-                phase.ttft_s.append(first)
-                phase.answered += 1
-
-        tasks = []
-        for i in range(crowd):
-            tasks.append(asyncio.create_task(batch()))
-            if i % 100 == 99:
-                await asyncio.sleep(0.05)  # the crowd comes in over a moment, not in one packet
-        ramp_end = time.monotonic() + RAMP_S
-        while crowd and time.monotonic() < ramp_end:
-            now_waiting = await asyncio.to_thread(waiting_at_the_door, demo)
-            if now_waiting >= crowd - 4:  # all but those running (and one more, alone)
-                break
-            await asyncio.sleep(1.0)
-        log(f"  crowd of {crowd}: {await asyncio.to_thread(waiting_at_the_door, demo)} waiting")
-        cpu0, t0 = await asyncio.to_thread(door_cpu_s, demo), time.monotonic()
-        measuring.set()
-        lights: list[asyncio.Task[None]] = []
-        at = t0
-        while at < t0 + seconds:
-            lights.append(asyncio.create_task(light()))
-            phase.waiting.append(await asyncio.to_thread(waiting_at_the_door, demo))
-            at += GAP_S
-            await asyncio.sleep(max(0.0, at - time.monotonic()))
-        await asyncio.gather(*lights)
-        phase.seconds = time.monotonic() - t0
-        phase.cpu_s = await asyncio.to_thread(door_cpu_s, demo) - cpu0
-        stop.set()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            ramp_end = time.monotonic() + RAMP_S
+            while crowd and time.monotonic() < ramp_end:
+                if await asyncio.to_thread(waiting_at_the_door, demo) >= crowd - 4:
+                    break  # all but those running (and one more, alone)
+                await asyncio.sleep(1.0)
+            log(f"  crowd of {crowd}: {await asyncio.to_thread(waiting_at_the_door, demo)} waiting")
+            cpu0, t0 = await asyncio.to_thread(door_cpu_s, demo), time.monotonic()
+            counts.measuring.set()
+            lights: list[asyncio.Task[None]] = []
+            at = t0
+            while at < t0 + seconds:
+                lights.append(asyncio.create_task(light()))
+                phase.waiting.append(await asyncio.to_thread(waiting_at_the_door, demo))
+                at += GAP_S
+                await asyncio.sleep(max(0.0, at - time.monotonic()))
+            await asyncio.gather(*lights)
+            phase.seconds = time.monotonic() - t0
+            phase.cpu_s = await asyncio.to_thread(door_cpu_s, demo) - cpu0
+            counts.stop.set()
+    finally:
+        counts.stop.set()
+        if crowd:
+            crowd_proc.join(60)
+            if crowd_proc.is_alive():
+                crowd_proc.kill()
+    phase.answered += counts.answered.value
+    phase.refused = counts.refused.value
+    phase.errors += (
+        [f"crowd: {counts.errors.value} connection errors"] if counts.errors.value else []
+    )
     return phase
 
 
@@ -195,6 +238,7 @@ def figures(policy: str, alone: Phase, phase: Phase) -> dict[str, Any]:
         "light_p95_ratio": p95 / alone_p95 if p95 and alone_p95 else None,
         "answered": phase.answered, "refused": phase.refused, "errors": phase.errors,
         "door_cpu_s": phase.cpu_s, "seconds": phase.seconds,
+        "door_cpu_per_s": phase.cpu_s / phase.seconds if phase.seconds else None,
         "cpu_ms_per_request": 1000 * phase.cpu_s / phase.answered if phase.answered else None,
     }  # fmt: skip
 
@@ -205,14 +249,15 @@ def show(rows: list[dict[str, Any]]) -> str:
 
     lines = [
         "policy  crowd  waiting most/mean  light p50  light p95 / alone (s)  p95 ratio  "
-        "answered  door CPU ms/request  refused  errors"
+        "answered  door CPU s/s  ms/request  refused  errors"
     ]
     for r in rows:
         lines.append(
             f"{r['policy']:<6}  {r['crowd']:>5}  {r['waiting_most']:>8} / {r['waiting_mean']:<7.0f}"
             f"  {s(r['light_p50_s']):>9}  {s(r['light_p95_s']):>10}"
             f" / {s(r['light_alone_p95_s']):<8}"
-            f"  {s(r['light_p95_ratio']):>9}  {r['answered']:>8}  {s(r['cpu_ms_per_request']):>19}"
+            f"  {s(r['light_p95_ratio']):>9}  {r['answered']:>8}  {s(r['door_cpu_per_s']):>10}"
+            f"  {s(r['cpu_ms_per_request']):>10}"
             f"  {r['refused']:>7}  {len(r['errors']):>6}"
         )
     lines.append("target: light p95 at most 2x its p95 alone; the door's CPU per request the same")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from appliance.hold import start_time
+from appliance import people
 from appliance.people import BATCH, INTERACTIVE
 from appliance.proxy.share import fair, turns
 from appliance.proxy.share.turns import Entry, Turns, fill, pick
@@ -336,3 +337,27 @@ def test_a_crowd_of_batch_requests_that_all_waited_long_takes_every_other_place_
     t.add(_entry(10**6 + 1, "light", 522, since=100.0))
     t.add(_entry(10**6 + 2, "light", 522, since=100.0))
     assert _served(t, 4, now=100.0) == ["nightly", "light", "nightly", "light"]
+
+
+@pytest.mark.parametrize("break_it", ["folder", "database"])
+def test_a_record_that_cannot_be_kept_lets_requests_go_as_they_come(
+    tmp_path: Path, break_it: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The held folder is a file, or the record's database a folder: no turn is taken (the
+    request goes to the runtime as it comes), and the journal says why, once."""
+    held = tmp_path / "held"
+    if break_it == "folder":
+        held.write_text("not a folder")
+    else:
+        (held / "turns-8001.db").mkdir(parents=True)
+    doors = fair.Fair(tmp_path, {(8001, "llama.cpp"): 1})
+    person = people.Person("alice", b"a" * 32)
+
+    class Known:
+        url = "http://127.0.0.1:8001"
+        known = type("Facts", (), {"slots": 1, "engine": "llama.cpp"})()
+
+    for _ in range(3):
+        assert doors.enter_now(person, Known(), 10) is None  # type: ignore[arg-type]
+    said = capsys.readouterr().err
+    assert said.count("cannot keep fair turns") == 1, said

@@ -27,7 +27,15 @@ from appliance.hold import start_time
 from appliance.people import Person
 from appliance.proxy import log
 from appliance.proxy.backend import Backend
-from appliance.proxy.share.turns import FULL_LOOK_S, POLL_S, Entry, Record, Turns, fill
+from appliance.proxy.share.turns import (
+    FULL_LOOK_S,
+    POLL_S,
+    RECORD_ERRORS,
+    Entry,
+    Record,
+    Turns,
+    fill,
+)
 from appliance.proxy.waiting import HoldTimeout
 
 DEFAULT_BATCH_WAIT_S = 30.0
@@ -104,7 +112,8 @@ class Share:
         except BaseException as e:
             self.waiters.pop(entry.id, None)
             self.entries.pop(entry.id, None)
-            self._give_up(entry, admitted=waiter.done() and not waiter.cancelled())
+            with contextlib.suppress(*RECORD_ERRORS):  # a record that cannot be kept: no place
+                self._give_up(entry, admitted=waiter.done() and not waiter.cancelled())
             if isinstance(e, TimeoutError):
                 raise HoldTimeout(
                     f"the runtime runs {self.slots} requests at once and this one waited its "
@@ -162,13 +171,18 @@ class Share:
             if not self.record.changed() and time.monotonic() - looked < FULL_LOOK_S:
                 continue
             looked = time.monotonic()
-            with self.record.open() as turns:
-                if self.record.begun_again:  # its requests lost with the record: back in line
-                    self.record.begun_again = False
-                    for entry in self.entries.values():
-                        turns.add(entry)
-                self._fill(turns)
-                mine = self._take_mine(turns)
+            try:
+                with self.record.open() as turns:
+                    if self.record.begun_again:  # its requests lost with the record: back in line
+                        self.record.begun_again = False
+                        for entry in self.entries.values():
+                            turns.add(entry)
+                    self._fill(turns)
+                    mine = self._take_mine(turns)
+            except RECORD_ERRORS as e:  # the record cannot be kept now: those waiting go on
+                log(f"b70: cannot keep fair turns in {self.record.path}: {e}; requests that "
+                    "waited their turn go to the runtime as they come")  # fmt: skip
+                mine = set(self.waiters)
             self._wake(mine)
 
 
@@ -218,8 +232,8 @@ class Fair:
             self.shares[port] = share
         try:
             got = share.enter_now(person.name, person.priority, cost, slots)
-        except OSError as e:
-            problem = f"b70: cannot keep fair turns in {self.state_dir}: {e.strerror or e}"
+        except RECORD_ERRORS as e:
+            problem = f"b70: cannot keep fair turns in {self.state_dir}: {_why(e)}"
             if problem != self.said:
                 self.said = problem
                 log(problem + "; requests go to the runtime as they come")
@@ -229,5 +243,11 @@ class Fair:
     @staticmethod
     def leave(turn: Turn | None) -> None:
         if turn is not None:
-            with contextlib.suppress(OSError):  # the record cannot be written: nothing to free
+            with contextlib.suppress(
+                *RECORD_ERRORS
+            ):  # the record cannot be written: nothing to free
                 turn.share.leave(turn)
+
+
+def _why(e: Exception) -> str:
+    return (e.strerror if isinstance(e, OSError) else None) or str(e)

@@ -58,7 +58,8 @@ POLL_S = 0.01  # a waiting worker's look whether the record changed
 FULL_LOOK_S = 1.0  # ... and a look anyway this often (places of workers that died)
 ACTIVE_S = 30.0  # a key that sent a request this recently counts as there ([proxy] keep_free)
 LIVE_S = 1.0  # how often the workers in the record are looked up in /proc
-RECORD_SUFFIXES = (".db", ".db-wal", ".db-shm", ".lock")  # the files of a runtime port's record
+# What a record that cannot be kept raises (a full or read-only disk, a lock that cannot be had)
+RECORD_ERRORS = (OSError, sqlite3.Error)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS waiting(
@@ -405,7 +406,9 @@ class Record:
         """A transaction on the record, begun again (new, empty) if it cannot be read."""
         try:
             turns = self._transaction()
-        except sqlite3.DatabaseError:
+        except sqlite3.DatabaseError as e:
+            if isinstance(e, sqlite3.OperationalError):
+                raise  # a full disk, a file that cannot be opened: not the record's fault
             self._close()
             for suffix in (".db", ".db-wal", ".db-shm"):
                 with contextlib.suppress(FileNotFoundError):
