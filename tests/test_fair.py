@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from appliance.hold import start_time
 from appliance import people
+from appliance.hold import start_time
 from appliance.people import BATCH, INTERACTIVE
 from appliance.proxy.share import fair, turns
 from appliance.proxy.share.turns import Entry, Turns, fill, pick
