@@ -58,6 +58,8 @@ POLL_S = 0.01  # a waiting worker's look whether the record changed
 FULL_LOOK_S = 1.0  # ... and a look anyway this often (places of workers that died)
 ACTIVE_S = 30.0  # a key that sent a request this recently counts as there ([proxy] keep_free)
 LIVE_S = 1.0  # how often the workers in the record are looked up in /proc
+WAL_PAGES = 16  # pages of write-ahead log before they are folded into the record
+WAL_BYTES = 64 * 1024  # the log's size on disk after that, at most
 # What a record that cannot be kept raises (a full or read-only disk, a lock that cannot be had)
 RECORD_ERRORS = (OSError, sqlite3.Error)
 
@@ -115,6 +117,10 @@ def connect(where: str) -> sqlite3.Connection:
     db.execute("PRAGMA synchronous = OFF")  # a worker killed mid-write loses nothing (the WAL)
     if where != ":memory:":
         db.execute("PRAGMA journal_mode = WAL")
+        # The log folded into the database every WAL_PAGES pages and cut back to WAL_BYTES: the
+        # record stays tens of kilobytes on disk, not SQLite's default of 4 MB of log kept.
+        db.execute(f"PRAGMA wal_autocheckpoint = {WAL_PAGES}")
+        db.execute(f"PRAGMA journal_size_limit = {WAL_BYTES}")
     db.executescript(SCHEMA)
     return db
 
