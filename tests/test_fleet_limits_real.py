@@ -238,3 +238,35 @@ def test_one_doors_file_and_the_fleets_redis_keep_the_same_limits(
 
     _run(tmp_path, redis_port, on_redis)
     assert on_file == CONTRACT, on_file
+
+
+def test_the_fleets_usage_counts_in_redis_hours_whatever_a_doors_clock(redis_port: int) -> None:
+    """A door whose clock runs two hours fast, and one two hours slow: each one's use lands in
+    the hour of Redis's own clock, where `b70ctl usage --fleet` reads it (from Redis's TIME)."""
+    from appliance.usage import FLEET_USAGE, HOUR_S, Use
+
+    async def main() -> tuple[int, list[str]]:
+        client = redis.asyncio.Redis(port=redis_port, socket_timeout=2)
+        try:
+            await client.flushall()
+            for skew in (2 * HOUR_S, -2 * HOUR_S):
+                doors = fleet.FleetUsage(client, clock=lambda s=skew: time.time() + s)
+                doors.add("alice", Use(requests=1, tokens_in=10))
+                await doors.flush()
+            seconds, _ = await client.time()
+            names = sorted([_name(k) async for k in client.scan_iter(match=FLEET_USAGE + "*")])
+            return int(seconds) // HOUR_S * HOUR_S, names
+        finally:
+            await client.aclose()
+
+    hour, names = asyncio.run(main())
+    # Both in Redis's hour (or the one before, when the hour turned between the writes)
+    starts = {int(n.removeprefix(FLEET_USAGE_PREFIX)) for n in names}
+    assert starts and starts <= {hour, hour - 3600}, (hour, names)
+
+
+FLEET_USAGE_PREFIX = "b70:usage:"  # appliance.usage.FLEET_USAGE
+
+
+def _name(key: Any) -> str:
+    return key.decode() if isinstance(key, bytes) else str(key)

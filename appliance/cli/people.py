@@ -189,11 +189,11 @@ def usage(ctx: Context, since: str | None, fleet: bool) -> None:
 
     config = ctx.config()  # the appliance it is: a broken config is said, not passed over
     start = None
-    if since is not None:
-        start = time.time() - parse_duration(since, "--since", USAGE_MOST_S)
+    back_s = None if since is None else parse_duration(since, "--since", USAGE_MOST_S)
+    if back_s is not None:
+        start = time.time() - back_s
     if fleet:
-        start = None if start is None else start // usage_mod.HOUR_S * usage_mod.HOUR_S
-        found = _fleet_usage(ctx, config, start)
+        start, found = _fleet_usage(ctx, config, back_s)
     else:
         found = usage_mod.read_usage(_state_dir(ctx), start)
     rows = [
@@ -203,8 +203,11 @@ def usage(ctx: Context, since: str | None, fleet: bool) -> None:
     output.show(ctx.json, data, lambda: _render_usage(rows, since, fleet))
 
 
-def _fleet_usage(ctx: Context, config: Any, start: float | None) -> dict[str, Any]:
-    """Each key's use on every front door, from the fleet's Redis (hours from `start`'s)."""
+def _fleet_usage(
+    ctx: Context, config: Any, back_s: float | None
+) -> tuple[float | None, dict[str, Any]]:
+    """Each key's use on every front door, from the fleet's Redis: the hours from `back_s`
+    seconds ago by Redis's clock, as the doors write them (not this box's), and that hour."""
     from appliance import usage as usage_mod
 
     host, port = config.peers.redis_host, config.peers.redis_port
@@ -223,6 +226,10 @@ def _fleet_usage(ctx: Context, config: Any, start: float | None) -> dict[str, An
         ssl_ca_certs=config.peers.redis_ca,
     )  # fmt: skip
     try:
+        start = None
+        if back_s is not None:
+            seconds, _ = client.time()
+            start = int(seconds - back_s) // usage_mod.HOUR_S * usage_mod.HOUR_S
         hours: dict[int, dict[str, str]] = {}
         for name in client.scan_iter(match=usage_mod.FLEET_USAGE + "*", count=1000):
             hour = str(name).removeprefix(usage_mod.FLEET_USAGE)
@@ -236,7 +243,7 @@ def _fleet_usage(ctx: Context, config: Any, start: float | None) -> dict[str, An
         ) from None
     finally:
         client.close()
-    return usage_mod.fleet_usage(hours)
+    return start, usage_mod.fleet_usage(hours)
 
 
 def _redis_password(ctx: Context) -> str | None:

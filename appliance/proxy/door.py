@@ -26,8 +26,8 @@ lifespan adds pass-through endpoints), and the body checks need a layer before L
 anyway. The outermost layer also sees each path before any of LiteLLM's middleware can rewrite
 it.
 
-Imported by the proxy: nothing from the rest of the controller but appliance.proxy.checks and
-appliance.hold.
+Imported by the proxy: of the rest of the controller, only the core modules it shares with
+the chain (appliance.people, appliance.usage; appliance.hold through appliance.proxy.chain).
 """
 
 from __future__ import annotations

@@ -338,17 +338,19 @@ class FleetLimits(Limits):
 
 class FleetUsage:
     """Each key's use on this worker, added to the fleet's hourly hashes every FLUSH_S (kept to
-    add again later while Redis does not answer)."""
+    add again later while Redis does not answer). The hour is Redis's: each use is noted by this
+    door's minute, and put in its hour by the difference between this door's clock and Redis's
+    TIME, read at each flush, so a door whose clock is off counts in the fleet's hours."""
 
     def __init__(self, redis: Any, clock: Callable[[], float] = time.time) -> None:
         self.redis, self.clock = redis, clock
-        self.pending: dict[tuple[int, str], Use] = {}
+        self.pending: dict[tuple[int, str], Use] = {}  # (this door's minute, key) -> its use
         self.task: asyncio.Task[None] | None = None
         self.said = Said("adding the keys' use to Redis")
 
     def add(self, name: str, use: Use) -> None:
-        hour = int(self.clock()) // HOUR_S * HOUR_S
-        self.pending.setdefault((hour, name), Use()).add(use)
+        minute = int(self.clock()) // 60
+        self.pending.setdefault((minute, name), Use()).add(use)
 
     async def run(self) -> None:
         while True:
@@ -365,8 +367,14 @@ class FleetUsage:
             return
         taken, self.pending = self.pending, {}
         try:
+            seconds, micros = await self.redis.time()
+            ahead = seconds + micros / 1e6 - self.clock()  # Redis's clock less this door's
+            hours: dict[tuple[int, str], Use] = {}
+            for (minute, name), use in taken.items():
+                hour = int(minute * 60 + ahead) // HOUR_S * HOUR_S
+                hours.setdefault((hour, name), Use()).add(use)
             pipe = self.redis.pipeline(transaction=False)
-            for (hour, name), use in taken.items():
+            for (hour, name), use in hours.items():
                 for word, number in use.as_line().items():
                     if number:
                         pipe.hincrbyfloat(f"{FLEET_USAGE}{hour}", f"{name}\t{word}", number)
