@@ -39,12 +39,16 @@ class ExclusionSampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop_event.is_set():
-            out = self.app.manager.systemctl("show", "-p", "Id,ActiveState", *RUNTIME_UNITS)
-            active = {}
-            for block in out.strip().split("\n\n"):
-                fields = dict(line.split("=", 1) for line in block.splitlines() if "=" in line)
-                if "Id" in fields:
-                    active[fields["Id"]] = fields["ActiveState"]
+            # One call that the manager answers whole (`show` asks unit by unit, so a stop
+            # that ends between its two questions read as an overlap under load: CI, session 24)
+            out = self.app.manager.systemctl(
+                "list-units", "--all", "--plain", "--no-legend", "--full", *RUNTIME_UNITS
+            )
+            active = {u: "inactive" for u in RUNTIME_UNITS}  # a unit not loaded is not listed
+            for line in out.splitlines():
+                words = line.removeprefix("●").split()  # the mark of a failed unit, if shown
+                if len(words) >= 3 and words[0] in active:
+                    active[words[0]] = words[2]  # UNIT LOAD ACTIVE SUB DESCRIPTION
             busy = {u: s for u, s in active.items() if s not in {"inactive", "failed"}}
             self.seen |= {f"{u}={s}" for u, s in active.items()}
             if len(busy) > 1:
