@@ -55,20 +55,34 @@ ONE_DOOR_S = 1.0  # `b70ctl keys` help, README, docs/security.md: a change count
 def _within_a_second(check: Any) -> float:
     """Seconds from now (a `keys` command's return) to the send time of the first try of
     `check()` that passes (a 401 or an AssertionError until then); an AssertionError if none
-    sent within ONE_DOOR_S passed, as the help promises."""
+    sent within ONE_DOOR_S passed, as the help promises. A try is sent every 0.05 s without
+    waiting for the last to come back, so a busy machine's slow answer does not push the next
+    try past the bound."""
+    import concurrent.futures
+
     import openai
 
     start = time.monotonic()
-    while True:
-        sent = time.monotonic() - start
-        if sent > ONE_DOOR_S:
-            raise AssertionError(f"the door did not see the change within {ONE_DOOR_S} s")
+    passed: list[float] = []
+
+    def one(sent: float) -> None:
         try:
             check()
         except (AssertionError, openai.AuthenticationError):
-            time.sleep(0.02)
-            continue
-        return sent
+            return
+        passed.append(sent)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=32) as pool:
+        tries = []
+        while not passed and (sent := time.monotonic() - start) <= ONE_DOOR_S:
+            tries.append(pool.submit(one, sent))
+            time.sleep(0.05)
+        concurrent.futures.wait(tries, timeout=120)
+    for done in tries:
+        done.result()  # an error of another kind is the test's
+    if not passed:
+        raise AssertionError(f"the door did not see the change within {ONE_DOOR_S} s")
+    return min(passed)
 
 
 @pytest.fixture
@@ -135,7 +149,7 @@ def test_a_persons_key_works_through_the_sdks_and_its_use_is_counted(
 
     def refused(old: Any) -> None:
         try:
-            _chat(old)
+            old.models.list()  # the door's key check, with no answer to wait for
         except openai.AuthenticationError as e:
             assert "nor one that `b70ctl keys` made" in str(e)
             return
@@ -144,7 +158,7 @@ def test_a_persons_key_works_through_the_sdks_and_its_use_is_counted(
     rotated = appliance.json("keys", "rotate", "alice")["result"]["key"]
     new_client = _client(appliance, rotated)
     rotated_s = _within_a_second(lambda: refused(client))
-    _within_a_second(lambda: _chat(new_client))
+    _within_a_second(lambda: new_client.models.list())
     appliance.b70ctl("keys", "revoke", "alice", check=True)
     del keys["alice"]
     revoked_s = _within_a_second(lambda: refused(new_client))

@@ -4,7 +4,7 @@ keys, each key's limits and each key's use there.
 Keys (`FleetKeys`): each proxy worker looks every half second at its own keys file and at the
 fleet's hash (FLEET_KEYS), publishes its door's changes that are not yet ordered through the
 fleet's one order (appliance.keyorder, a counter in Redis), and takes the last change of each
-name: a key made, rotated or revoked on one door counts on every door within 3 s,
+name: a key made, rotated or revoked on one door counts on every door within 10 s,
 without a restart, whatever each door's clock says. Redis that cannot be reached leaves each
 door its own file and the fleet's keys as last read (the journal says so once, and again when it
 is back). The fleet's hash as last read, and the numbers this door's changes got, are written to
