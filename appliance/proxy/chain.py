@@ -197,11 +197,13 @@ class Gate:
         return None
 
     async def check_key(self, request: Request) -> Refusal | None:
-        given = given_key(header(request.scope, b"authorization"),
-                          header(request.scope, b"x-api-key"))  # fmt: skip
-        person = self.keys.who(given) if given else None
-        if person is None:
-            return unauthorized(WRONG_KEY if given else NO_KEY)
+        scope = request.scope
+        try:
+            person = whose_key(
+                self.keys, header(scope, b"authorization"), header(scope, b"x-api-key")
+            )
+        except Refusal as refusal:  # the 401 that says what is wrong with the key
+            return refusal
         request.person = person
         request.done = request.kind == MODELS
         if person is MASTER_KEY:  # a switch's own requests, and a peer's, come with it
