@@ -66,8 +66,13 @@ def installed_b70ctl(where: Path) -> str:
         "if __name__ == '__main__':\n    sys.argv[0] = 'b70ctl'\n    sys.exit(main())\n"
     )
     script.chmod(0o755)
-    # The proxy is found beside b70ctl, as in an installation: this environment's LiteLLM.
-    (venv / "bin" / "litellm").symlink_to(Path(sys.executable).parent / "litellm")
+    # The proxy's program is found beside b70ctl, as in an installation.
+    proxy = venv / "bin" / "b70-proxy"
+    proxy.write_text(
+        f"#!{venv / 'bin' / 'python'}\nimport sys\nfrom appliance.proxy.mount import main\n"
+        "if __name__ == '__main__':\n    sys.exit(main())\n"
+    )
+    proxy.chmod(0o755)
     return str(script)
 
 

@@ -396,6 +396,11 @@ PEERS = [
         "peers.redis_host: is for front doors with peers",
     ),
     (
+        "the proxy's old litellm executable",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nlitellm = "/usr/local/bin/litellm"'),
+        "proxy.litellm: is no longer read: the proxy runs as b70-proxy",
+    ),
+    (
         "keep_free without fair turns",
         GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = false\nkeep_free = 1'),
         "proxy.keep_free: does nothing with fair = false",

@@ -19,7 +19,7 @@ from tests.conftest import REPO
 B70 = REPO / "examples" / "b70.toml"
 STUB_EXECUTABLES = [
     "opt/b70/bin/b70ctl",
-    "opt/b70/bin/litellm",
+    "opt/b70/bin/b70-proxy",
     "opt/llama.cpp/bin/llama-server",
     "usr/bin/docker",
 ]

@@ -1,19 +1,22 @@
 """TLS on the proxy's port, in milliseconds: the config's words, the certificate install makes
 (its names, key, fingerprint, renewal), a port that speaks TLS and plain HTTP side by side on
-both event loops the proxy may run (asyncio's, uvloop's), and the door's refusal of plain HTTP
-from afar."""
+both event loops the proxy may run (asyncio's, uvloop's), the same in a real uvicorn server given
+the door's protocol class as the proxy's workers give it, clients that misbehave, and the door's
+refusal of plain HTTP from afar."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import ssl
 import subprocess
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 import uvloop
 
 from appliance import keys
@@ -21,6 +24,7 @@ from appliance.config import reader
 from appliance.deploy import certificate
 from appliance.errors import ApplianceError, ConfigError
 from appliance.layout import Layout, Scope
+from appliance.proxy import mount
 from appliance.proxy.share import tls
 from tests.conftest import REPO
 
@@ -308,18 +312,70 @@ def _tls_client(port: int, made: tuple[Path, Path], then: Callable[[ssl.SSLSocke
         return then(client)
 
 
+async def _answer(scope: Any, receive: Any, send: Any) -> None:
+    """An ASGI app: answers each request with its scheme and a body too big for one write."""
+    body = (b"https " if scope["scheme"] == "https" else b"http ") + b"x" * 300_000
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", b"%d" % len(body))]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.asynccontextmanager
+async def _uvicorn(made: tuple[Path, Path]) -> AsyncIterator[int]:
+    """A real uvicorn server given the door's protocol class as the proxy's worker gives it
+    (appliance.proxy.mount.worker_settings): its port."""
+    import socket
+
+    settings = mount.worker_settings({"B70_TLS_CERT": str(made[0]), "B70_TLS_KEY": str(made[1])})
+    config = uvicorn.Config(_answer, lifespan="off", log_level="warning", **settings)
+    server = uvicorn.Server(config)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not serving.done(), serving
+            await asyncio.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await serving
+        sock.close()
+
+
 def _against_the_door(made: tuple[Path, Path], then: Callable[[ssl.SSLSocket], Any]) -> Any:
     async def main() -> Any:
-        cert = tls.Certificate(*made)
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: tls.FirstByte(Echo, cert), "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
+        async with _uvicorn(made) as port:
             return await asyncio.to_thread(_tls_client, port, made, then)
-        finally:
-            server.close()
 
     return asyncio.run(main())
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_uvicorn_given_the_protocol_class_serves_tls_and_plain_on_one_port(
+    loop: str, made: tuple[Path, Path]
+) -> None:
+    """The interface the proxy uses: uvicorn's Config(http=...) with tls.beside_plain, the
+    requests' scheme as uvicorn's own protocol reads it, keep-alive both ways."""
+
+    async def main() -> list[str]:
+        seen = []
+        async with _uvicorn(made) as port:
+            trust = ssl.create_default_context(cafile=str(made[0]))
+            for context in (trust, None, trust):
+                reader_, writer = await asyncio.open_connection(
+                    "127.0.0.1", port, ssl=context, server_hostname="localhost" if context else None
+                )
+                for _ in range(2):
+                    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+                    head = (await reader_.readuntil(b"\r\n\r\n")).lower()
+                    length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                    seen.append((await reader_.readexactly(length))[:5].decode().strip())
+                writer.close()
+        return seen
+
+    run = asyncio.run if loop == "asyncio" else uvloop.run
+    assert run(main()) == ["https"] * 2 + ["http"] * 2 + ["https"] * 2
 
 
 def test_a_clients_close_notify_is_answered_with_the_doors(made: tuple[Path, Path]) -> None:
@@ -369,13 +425,36 @@ def test_a_tls12_clients_renegotiation_is_refused(made: tuple[Path, Path]) -> No
         return out.stdout + out.stderr
 
     async def main() -> str:
-        cert = tls.Certificate(*made)
-        loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: tls.FirstByte(Echo, cert), "127.0.0.1", 0)
-        try:
-            return await asyncio.to_thread(renegotiate, server.sockets[0].getsockname()[1])
-        finally:
-            server.close()
+        async with _uvicorn(made) as port:
+            return await asyncio.to_thread(renegotiate, port)
 
     said = asyncio.run(main())
     assert "RENEGOTIATING" in said and "no renegotiation" in said.lower(), said[-2000:]
+
+
+def test_the_proxys_process_refuses_what_it_cannot_serve_in_one_line(
+    tmp_path: Path, made: tuple[Path, Path], capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """b70-proxy, before gunicorn starts: a missing config, half of TLS, a certificate that does
+    not load. One line each, exit status 2, no traceback."""
+    yaml = tmp_path / "litellm.yaml"
+    broken = tmp_path / "broken.pem"
+    broken.write_text("not a certificate")
+    cases = [
+        ({}, ["--config", str(tmp_path / "none.yaml")], "is not a file: run `b70ctl install`"),
+        ({"B70_TLS_CERT": str(made[0])}, ["--config", str(yaml)], "needs both B70_TLS_CERT"),
+        ({"B70_TLS_CERT": str(broken), "B70_TLS_KEY": str(made[1])}, ["--config", str(yaml)],
+         f"its certificate {broken} with key {made[1]} does not load"),
+        ({}, ["--config", str(yaml), "--workers", "0"], "at least one worker"),
+    ]  # fmt: skip
+    yaml.write_text("model_list: []\n")
+    for env, argv, says in cases:
+        monkeypatch.delenv("B70_TLS_CERT", raising=False)
+        monkeypatch.delenv("B70_TLS_KEY", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        assert mount.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("b70-proxy: ") and says in err and "Traceback" not in err, err
+        assert err.count("\n") == 1

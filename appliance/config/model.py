@@ -75,7 +75,6 @@ class ProxyConfig:
     drain_s: float = 60.0  # how long a switch waits for the old runtime's requests to finish
     workers: int = 2  # the proxy's worker processes, each with its own event loop
     max_body_bytes: int = 8 * 1024**2  # a request body larger than this is refused (413)
-    litellm: str | None = None  # the litellm executable; default: beside b70ctl
     # Model requests take the fast way: straight to the runtime when the model has one
     # deployment (appliance/proxy/direct.py), else LiteLLM's vLLM pass-through route
     # (appliance/proxy/relay.py); false: LiteLLM's chat and completion routes, which do more

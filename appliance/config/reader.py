@@ -228,7 +228,11 @@ class _Reader(CardKeys, ServingKeys):
         for alias in aliases:
             if (problem := check_model_name(alias)) or alias == model:
                 raise self.fail(p + "aliases", f"{alias!r}: {problem or 'repeats proxy.model'}")
-        litellm = self.path_value(t, "litellm", p, "/") if "litellm" in t else None
+        if "litellm" in t:
+            raise self.fail(
+                p + "litellm", "is no longer read: the proxy runs as b70-proxy, installed beside "
+                "b70ctl with LiteLLM", hint="remove this line",
+            )  # fmt: skip
         tls, cert, key = self.tls(t, p)
         fair = self.get(t, "fair", p, bool, True)
         for shaping in ("batch_wait_s", "keep_free"):
@@ -248,7 +252,6 @@ class _Reader(CardKeys, ServingKeys):
             hold_s=self.get(t, "hold_s", p, float, 300.0, check_range(0, HOUR_S, low_open=True)),
             drain_s=self.get(t, "drain_s", p, float, 60.0, check_range(0, HOUR_S)),
             workers=self.get(t, "workers", p, int, 2, lambda v: None if 1 <= v <= 64 else "1-64"),
-            litellm=litellm,
             # 8 MiB holds a whole 131072-token context as text several times over, and a few
             # images as data URLs.
             pass_through=self.get(t, "pass_through", p, bool, True),

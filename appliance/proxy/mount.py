@@ -1,11 +1,13 @@
 """Putting the door (appliance.proxy.door) in front of the LiteLLM proxy's app, once, from
-inside the proxy's worker, with its settings from the proxy unit's environment.
+inside the proxy's worker, with its settings from the proxy unit's environment; and the process
+the proxy runs in, `b70-proxy` (`main`, below).
 
 Imported by the proxy: nothing from the rest of the controller but appliance.proxy.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ctypes
@@ -19,7 +21,11 @@ from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from gunicorn.app.base import BaseApplication
+from uvicorn_worker import UvicornWorker
+
 from appliance.hold import PEER_HEADER
+from appliance.keys import server_context
 from appliance.people import KEYS_FILE, KeyRing
 from appliance.proxy import ASGIApp, direct, log
 from appliance.proxy.backend import Backend
@@ -293,9 +299,9 @@ def install_in_proxy(
 
 
 def serve_tls(env: Mapping[str, str]) -> tls.InClear | None:
-    """With `[proxy] tls` (B70_TLS_CERT, B70_TLS_KEY): this worker takes TLS beside plain HTTP,
-    and the door refuses plain HTTP from afar. A certificate that does not load, or a server
-    that cannot be found, stops the proxy rather than serve keys in clear."""
+    """With `[proxy] tls` (B70_TLS_CERT, B70_TLS_KEY): the door refuses plain HTTP from afar.
+    The worker takes TLS beside plain HTTP already (appliance.proxy.mount); a certificate that
+    does not load stops the proxy rather than serve keys in clear."""
     cert, key = env.get("B70_TLS_CERT"), env.get("B70_TLS_KEY")
     if not cert or not key:
         return None
@@ -303,11 +309,6 @@ def serve_tls(env: Mapping[str, str]) -> tls.InClear | None:
         certificate = tls.Certificate(Path(cert), Path(key))
     except (OSError, ssl.SSLError) as e:
         raise DoorNotMounted(f"TLS is on, and its certificate {cert} does not load: {e}") from None
-    if tls.serve_beside_plain(certificate) == 0:
-        raise DoorNotMounted(
-            "TLS is on, and this worker's uvicorn server was not found to serve it: a uvicorn "
-            "release other than the pinned one?"
-        )
     log(f"b70: TLS on the proxy's port, certificate {cert}, SHA-256 {certificate.fingerprint}")
     return tls.InClear(certificate)
 
@@ -329,10 +330,10 @@ def freeze_the_loaded_heap() -> None:
 
 
 def quiet_access_log() -> None:
-    """No journal line per request. Under --run_gunicorn, LiteLLM's CLI gives gunicorn an access
-    log on stdout, and gunicorn's uvicorn workers write one line per request to it through the
-    `uvicorn.access` logger; that costs every request CPU in the worker and in journald, which is
-    why LITELLM_LOG=ERROR keeps LiteLLM's own per-request lines out too."""
+    """No journal line per request. b70-proxy gives gunicorn no access log, and run another way
+    (LiteLLM's CLI gives gunicorn one on stdout) the `uvicorn.access` logger would write one line
+    per request; that costs every request CPU in the worker and in journald, which is why
+    LITELLM_LOG=ERROR keeps LiteLLM's own per-request lines out too."""
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
 
 
@@ -347,3 +348,110 @@ def give_large_blocks_back() -> None:
     within 10 % of what it was). Elsewhere than glibc this does nothing."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 128 * 1024)
+
+
+# --- b70-proxy: the proxy's process ---------------------------------------------------------------
+# The proxy's process, `b70-proxy`: LiteLLM's app under gunicorn, on systemd's listening socket.
+#
+#     b70-proxy --config litellm.yaml --host HOST --port PORT --workers N
+#
+# It runs LiteLLM's proxy as `litellm --config F --num_workers N --run_gunicorn` would: the master
+# loads LiteLLM's app once, forks N uvicorn workers and starts a dead one again, and each worker
+# loads the config named by CONFIG_FILE_PATH (LiteLLM's documented variable for it) when it starts,
+# and with it the door (appliance.proxy.hook). Gunicorn takes its socket from systemd (LISTEN_FDS,
+# LISTEN_PID); run by hand, it binds HOST:PORT itself.
+#
+# Run here rather than through LiteLLM's CLI for one reason: the worker class. LiteLLM's CLI fixes
+# it, and the appliance's worker (`Worker`) is uvicorn's gunicorn worker with settings of its own,
+# given the way the uvicorn-worker package documents (a subclass with CONFIG_KWARGS). With
+# `[proxy] tls` on, those settings give uvicorn's Config an HTTP protocol class (its `http=`, which
+# takes one) that reads each connection's first byte: TLS and plain HTTP on the one port
+# (appliance.proxy.share.tls). Nothing else about LiteLLM's start changes.
+
+TIMEOUT_S = 600  # a worker silent this long is killed and started again (LiteLLM's own figure)
+
+
+def worker_settings(env: Mapping[str, str]) -> dict[str, Any]:
+    """What the workers' uvicorn Config takes beside uvicorn-worker's own settings."""
+    cert, key = env.get("B70_TLS_CERT"), env.get("B70_TLS_KEY")
+    if not cert or not key:
+        return {}
+    return {"http": tls.beside_plain(tls.Certificate(Path(cert), Path(key)))}
+
+
+class Worker(UvicornWorker):  # type: ignore[misc]
+    """uvicorn-worker's worker, with the appliance's settings (worker_settings)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.CONFIG_KWARGS = {**UvicornWorker.CONFIG_KWARGS, **worker_settings(os.environ)}
+        super().__init__(*args, **kwargs)
+
+
+class Proxy(BaseApplication):  # type: ignore[misc]
+    """Gunicorn, told its settings here rather than by a command line or a file of its own."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.options = options
+        super().__init__()
+
+    def load_config(self) -> None:
+        for name, value in self.options.items():
+            self.cfg.set(name, value)
+
+    def load(self) -> Any:
+        from litellm.proxy.proxy_server import app
+
+        return app
+
+
+def bind_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def options(host: str, port: int, workers: int) -> dict[str, Any]:
+    return {
+        "bind": [bind_address(host, port)],
+        "workers": workers,
+        "worker_class": f"{__name__}.Worker",
+        "preload_app": True,  # LiteLLM is loaded once, in the master, and shared by the forks
+        "timeout": TIMEOUT_S,
+        "accesslog": None,  # no line per request: each costs the worker and journald CPU
+    }
+
+
+def problem(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """What stops the proxy before gunicorn starts, said in one line."""
+    if not args.config.is_file():
+        return f"the proxy's config {args.config} is not a file: run `b70ctl install`"
+    if not 0 < args.port < 65536:
+        return f"--port {args.port} is not a TCP port (1-65535)"
+    if args.workers < 1:
+        return f"--workers {args.workers}: at least one worker serves"
+    cert, key = env.get("B70_TLS_CERT"), env.get("B70_TLS_KEY")
+    if bool(cert) != bool(key):
+        return "TLS needs both B70_TLS_CERT and B70_TLS_KEY: run `b70ctl install` again"
+    if cert and key:
+        try:
+            server_context(Path(cert), Path(key))
+        except (OSError, ssl.SSLError) as e:
+            return f"TLS is on, and its certificate {cert} with key {key} does not load: {e}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="b70-proxy", description="The appliance's proxy: LiteLLM's app under gunicorn."
+    )
+    parser.add_argument("--config", type=Path, required=True, help="LiteLLM's config (YAML)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--workers", type=int, default=1)
+    args = parser.parse_args(argv)
+    said = problem(args, os.environ)
+    if said:
+        print(f"b70-proxy: {said}", file=sys.stderr, flush=True)
+        return 2
+    os.environ["CONFIG_FILE_PATH"] = str(args.config.resolve())
+    os.environ["NUM_WORKERS"] = str(args.workers)
+    Proxy(options(args.host, args.port, args.workers)).run()
+    return 0

@@ -172,19 +172,18 @@ def render_runtime_unit(
     )
 
 
-def litellm_path(config: Config) -> str:
-    return config.proxy.litellm or str(Path(config.b70ctl).parent / "litellm")
+def proxy_program(config: Config) -> str:
+    """b70-proxy (appliance.proxy.mount), installed beside b70ctl with LiteLLM."""
+    return str(Path(config.b70ctl).parent / "b70-proxy")
 
 
 def proxy_argv(config: Config, lay: Layout) -> list[str]:
     proxy = config.proxy
-    argv = [litellm_path(config), "--config", str(lay.proxy_config)]
-    argv += ["--host", proxy.host, "--port", str(proxy.port), "--num_workers", str(proxy.workers)]
-    # Under gunicorn, because gunicorn takes its listening socket from systemd (LISTEN_FDS and
-    # LISTEN_PID, the sd_listen_fds protocol) in the process LiteLLM's CLI runs it in; --host and
-    # --port are then only what it prints. Run by hand, gunicorn binds them itself. The master
+    argv = [proxy_program(config), "--config", str(lay.proxy_config)]
+    # gunicorn takes its listening socket from systemd (LISTEN_FDS and LISTEN_PID, the
+    # sd_listen_fds protocol), so --host and --port bind only when it is run by hand. The master
     # loads LiteLLM once and forks the workers, and starts a dead worker again.
-    return [*argv, "--run_gunicorn"]
+    return [*argv, "--host", proxy.host, "--port", str(proxy.port), "--workers", str(proxy.workers)]
 
 
 def listen_address(host: str, port: int) -> str:
@@ -269,7 +268,7 @@ def render_proxy_unit(config: Config, lay: Layout) -> str:
         environment=[render_environment(k, v) for k, v in proxy_environment(config, lay).items()],
         exec_start=proxy_argv(config, lay),
         exec_start_post=post,
-        sandbox=sandbox.proxy(config, lay, litellm_path(config)),
+        sandbox=sandbox.proxy(config, lay, proxy_program(config)),
         wanted_by=lay.wanted_by,
     )
 

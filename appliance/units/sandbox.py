@@ -204,7 +204,7 @@ def _runtime_reads(config: Config, rt: RuntimeConfig) -> list[str]:
 # --- per unit ----------------------------------------------------------------------------------
 
 
-def proxy(config: Config, lay: Layout, litellm: str) -> list[Directive]:
+def proxy(config: Config, lay: Layout, program: str) -> list[Directive]:
     out = []
     if lay.scope is Scope.SYSTEM:
         out += [
@@ -226,7 +226,7 @@ def proxy(config: Config, lay: Layout, litellm: str) -> list[Directive]:
             "(ExecStartPost=) must read the proxy's /proc/PID/fd to know the port is its own.",
         ),
     ]
-    reads = [str(lay.proxy_config), config.b70ctl, litellm]
+    reads = [str(lay.proxy_config), config.b70ctl, program]
     reads += [p for p in (config.proxy.tls_cert, config.proxy.tls_key) if p]  # the owner's TLS
     reads += [p for p in (config.peers.ca, config.peers.redis_ca) if p]  # whom it trusts
     out += _files(lay, reads, state=HELD_DIR)

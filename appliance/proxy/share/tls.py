@@ -4,6 +4,9 @@ Each connection's first byte says which it speaks: a TLS record of the handshake
 every TLS connection, and no HTTP request begins with it. The port stays systemd's socket
 (socket activation, its backlog while the proxy restarts), and every connection is read by
 uvicorn's own HTTP protocol, over TLS or not, so keep-alive and streaming are as before.
+uvicorn takes this as its HTTP protocol class (`beside_plain`, its Config's `http=`), which the
+proxy's gunicorn worker gives it (appliance.proxy.mount). Not uvicorn's or gunicorn's own ssl
+options: they make every connection on the port TLS, and loopback's plain HTTP would go.
 
 Plain HTTP stays for this machine: `b70ctl`, the monitor and the health gate talk to loopback.
 A request in plain HTTP from another machine is refused (`InClear`), its key having
@@ -20,10 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import ipaddress
 import ssl
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -274,32 +275,18 @@ class Tls(asyncio.Transport):
         return self.raw.get_extra_info(name, default)
 
 
-def serve_beside_plain(certificate: Certificate) -> int:
-    """Make this worker's uvicorn server take TLS beside plain HTTP: each new connection starts
-    with FirstByte. The number of servers changed (0: none found, not inside uvicorn)."""
-    config_type = getattr(sys.modules.get("uvicorn.config"), "Config", None)
-    if config_type is None:
-        return 0
-    changed = 0
-    for found in gc.get_objects():
-        if type(found) is not config_type or not getattr(found, "loaded", False):
-            continue
-        inner = found.http_protocol_class
-        if getattr(inner, "_b70_first_byte", False):
-            continue
-        found.http_protocol_class = _first_byte_class(inner, certificate)
-        changed += 1
-    return changed
+def beside_plain(certificate: Certificate) -> type[asyncio.Protocol]:
+    """The HTTP protocol class for uvicorn's Config (its `http=`, which takes a class as well as
+    a name): each new connection starts with FirstByte, then is uvicorn's own protocol ("auto":
+    httptools when installed, else h11), over TLS or as it is. appliance.proxy.mount gives it to
+    each worker through uvicorn-worker's CONFIG_KWARGS."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+    class BesidePlain(FirstByte):
+        def __init__(self, **kwargs: Any) -> None:  # config, server_state, app_state, _loop
+            super().__init__(lambda: AutoHTTPProtocol(**kwargs), certificate)
 
-def _first_byte_class(inner: Any, certificate: Certificate) -> Any:
-    """What uvicorn calls for each connection, as its protocol class is called."""
-
-    def make(**kwargs: Any) -> FirstByte:
-        return FirstByte(lambda: inner(**kwargs), certificate)
-
-    make._b70_first_byte = True  # type: ignore[attr-defined]
-    return make
+    return BesidePlain
 
 
 # --- the door's side ----------------------------------------------------------------------------
@@ -333,6 +320,7 @@ class InClear:
         host = _host_of(scope) or "THIS-HOST"
         server = scope.get("server")
         port = f":{server[1]}" if server and server[1] else ""
+        self.certificate.now()  # a renewed certificate's fingerprint
         return Refusal(
             403,
             f"this appliance takes requests from other machines over TLS only: use "
