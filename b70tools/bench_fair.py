@@ -9,11 +9,12 @@ requests at once), two keys made with `b70ctl keys add`:
 
 Under each policy (POLICIES: the fair turns off, `[proxy] fair = false`, when the requests go to
 llama-server as they come and it serves them first come, first served; on, as shipped; and on
-with `keep_free = 1`), in one run, each phase for DURATION seconds: heavy alone (once light's
-last request is 31 s old), light alone, then both. Heavy's tokens/s counts the chunks its
-streams receive (one token each) after the first WARMUP_S seconds of a phase. Printed: light's
-p50 and p95 time to first token and heavy's tokens/s, each against its figure alone in the same
-policy; and each key's usage as `b70ctl usage` gives it for the run.
+with `keep_free = 1`; and, asked for, `direct`: no door, both keys straight to the runtime's
+port, the floor under every policy), in one run, each phase for DURATION seconds: heavy alone
+(once light's last request is 31 s old), light alone, then both. Heavy's tokens/s counts the
+chunks its streams receive (one token each) after the first WARMUP_S seconds of a phase.
+Printed: light's p50 and p95 time to first token and heavy's tokens/s, each against its figure
+alone in the same policy; and each key's usage as `b70ctl usage` gives it for the run.
 """
 
 from __future__ import annotations
@@ -56,10 +57,13 @@ class Phase:
         return self.heavy_tokens / self.measured_s if self.measured_s else None
 
 
+DIRECT = [False]  # the policy "direct": to the runtime's port, no door
+
+
 def client(demo: Demo, key: str) -> Any:
     import openai
 
-    url = f"http://127.0.0.1:{demo.proxy_port}/v1"
+    url = f"http://127.0.0.1:{demo.backend_port if DIRECT[0] else demo.proxy_port}/v1"
     return openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=600)
 
 
@@ -145,6 +149,9 @@ POLICIES = {
     "off": "fair = false",  # as they come: llama-server serves them first come, first served
     "on": "",  # the fair turns, as the appliance ships them
     "keep1": "keep_free = 1",  # ... with one place kept for a key with nothing running
+    # No door at all: both keys' requests straight to the runtime's port, as they come. What
+    # the runtime and this machine give, the floor under every policy of the door.
+    "direct": "fair = false",
 }
 PROXY_KEYS = ("fair", "keep_free")
 
@@ -160,6 +167,7 @@ def set_policy(demo: Demo, policy: str) -> None:
 
 def policy(demo: Demo, keys: dict[str, str], name: str, seconds: float, log: Any) -> dict[str, Any]:
     set_policy(demo, name)
+    DIRECT[0] = name == "direct"
     # Heavy alone first, once light's last request is older than the door's ACTIVE_S (30 s):
     # alone, heavy gets what the door gives a key alone.
     time.sleep(max(0.0, LIGHT_GONE_S - (time.monotonic() - LAST_LIGHT[0])))
@@ -207,7 +215,16 @@ def show(figures: list[dict[str, Any]], usage: list[dict[str, Any]]) -> str:
         )
     lines.append("targets with fair turns on: light p95 ratio <= 2, heavy ratio >= 0.95")
     lines.append(
-        "policies: " + "; ".join(f"{k}: [proxy] {v or 'as shipped'}" for k, v in POLICIES.items())
+        "policies: "
+        + "; ".join(
+            f"{k}: "
+            + (
+                "no door, to the runtime's port"
+                if k == "direct"
+                else f"[proxy] {v or 'as shipped'}"
+            )
+            for k, v in POLICIES.items()
+        )
     )
     lines.append("usage for the run (b70ctl usage):")
     lines += [
