@@ -8,7 +8,7 @@ May import: every room but the proxy; commands import what they need inside thei
 that `b70ctl status` does not load what `b70ctl switch` needs.
 """
 
-from appliance.cli import machine, measuring, people, serving
+from appliance.cli import machine, measuring, models, people, serving
 from appliance.cli.base import cli, main
 
-__all__ = ["cli", "machine", "main", "measuring", "people", "serving"]
+__all__ = ["cli", "machine", "main", "measuring", "models", "people", "serving"]

@@ -9,6 +9,8 @@ from enum import StrEnum
 from pathlib import Path
 
 from appliance.apis import GENERATIVE
+from appliance.config.hub import DEFAULT_DIR as DEFAULT_MODELS_DIR
+from appliance.config.hub import HubModel
 from appliance.errors import ConfigError
 from appliance.layout import Scope, runtime_unit
 
@@ -205,6 +207,7 @@ class RuntimeConfig:
     served_model_name: str = "b70"  # the name clients ask for on the proxy; default [proxy] model
     # A replica of `per_card = true` runtime: the name of that runtime (its replica set)
     group: str | None = None
+    hub: HubModel | None = None  # model = "hf:...": where it is pulled from (model: where to)
 
     @property
     def unit(self) -> str:
@@ -232,6 +235,7 @@ class Config:
     podman: str = "/usr/bin/podman"
     peers: PeersConfig = PeersConfig()
     switching: SwitchingConfig = SwitchingConfig()
+    models_dir: str = DEFAULT_MODELS_DIR  # [models] dir: where `b70ctl models pull` puts them
     # The file's text as it was validated: install keeps exactly this, not a later copy.
     text: str = field(default="", repr=False, compare=False)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from appliance import GIB, MIB, apis
+from appliance.config import hub
 from appliance.config.cards import CardKeys
 from appliance.config.model import (
     DEFAULT_COMMAND,
@@ -137,8 +138,12 @@ class _Reader(CardKeys, ServingKeys):
             "monitor",
             "peers",
             "switching",
+            "models",
         }
         self.known(data, "", top)
+        models = self.table(data, "models")
+        self.known(models, "models.", {"dir"})
+        self.models_dir = self.path_value(models, "dir", "models.", hub.DEFAULT_DIR)
         proxy = self.proxy(self.table(data, "proxy"))
         backend = self.backend(self.table(data, "backend"))
         gpu = self.gpu(self.table(data, "gpu"))
@@ -185,6 +190,7 @@ class _Reader(CardKeys, ServingKeys):
             b70ctl=self.path_value(data, "b70ctl", "", default_b70ctl()),
             docker=self.path_value(data, "docker", "", "/usr/bin/docker"),
             podman=self.path_value(data, "podman", "", "/usr/bin/podman"),
+            models_dir=self.models_dir,
         )
 
     def listeners(
@@ -352,6 +358,13 @@ class _Reader(CardKeys, ServingKeys):
         if command and (problem := check_executable(command[0])):
             raise self.fail(p + "command[0]", problem)
         model = os.path.expanduser(self.get(t, "model", p, str, None, check_word))
+        source = self.hub_model(model, p) if model.startswith(hub.PREFIX) else None
+        volumes = self.paths(t, "volumes", p, "/srv/models:/models:ro")
+        if source is not None:
+            model = str(source.local_path(self.models_dir))
+            if launcher is not Launcher.NATIVE:  # the same path inside the container, read-only
+                folder = source.folder(self.models_dir)
+                volumes = (*volumes, f"{folder}:{folder}:ro")
         start_default = DEFAULT_START_TIMEOUT_S[engine]
         needed_gib = self.get(
             t, "memory_needed_gib", p, float, -1.0, check_range(0, MAX_MEMORY_GIB)
@@ -370,7 +383,8 @@ class _Reader(CardKeys, ServingKeys):
             apis=served_apis,
             devices=devices,
             cards=self.runtime_cards(t, p, gpu, engine, launcher, args, devices, env_table),
-            volumes=self.paths(t, "volumes", p, "/srv/models:/models:ro"),
+            volumes=volumes,
+            hub=source,
             shm_size=self.get(t, "shm_size", p, str, "", check_size) or None,
             container_options=self.container_options(t, p, launcher),
             user=self.get(t, "user", p, str, "", check_user_name) or None,
@@ -384,6 +398,12 @@ class _Reader(CardKeys, ServingKeys):
                 int(needed_gib * GIB) if needed_gib >= 0 else gpu.memory_needed_bytes
             ),
         )
+
+    def hub_model(self, value: str, p: str) -> hub.HubModel:
+        found = hub.parse(value)
+        if isinstance(found, str):
+            raise self.fail(p + "model", found)
+        return found
 
     def runtime_args(self, t: Mapping[str, Any], p: str, engine: Engine) -> tuple[str, ...]:
         args = self.strings(t, "args", p)

@@ -20,6 +20,7 @@ class Walker:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.models_dir = ""  # [models] dir, once read
 
     def fail(self, key: str, what: str, hint: str | None = None) -> ConfigError:
         return ConfigError(f"{self.path}: {key}: {what}", hint=hint)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from appliance import GIB, run
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance.config.hub import pulled_files
 from appliance.errors import ApplianceError, ConfigError
 from appliance.host import access, modelfiles, placement
 from appliance.host.gpu import xe
@@ -229,7 +230,7 @@ def _runtime(config: Config, rt: RuntimeConfig, root: Path, ask: Ask) -> list[Ch
             checks.append(_libraries(rt, ask))
     else:
         checks += _container(config, rt, ask)
-    checks += _models(rt)
+    checks += _models(rt, config.models_dir)
     if rt.user and rt.launcher is Launcher.NATIVE:
         checks.append(_as_user(rt, root))
     return checks
@@ -358,8 +359,11 @@ def hf_hub(rt: RuntimeConfig) -> Path | None:
     return Path(home) / "hub"
 
 
-def _models(rt: RuntimeConfig) -> list[Check]:
+def _models(rt: RuntimeConfig, models_dir: str) -> list[Check]:
     name = f"{rt.name}: model"
+    if rt.hub is not None and not pulled_files(rt.hub.folder(models_dir)):
+        return [Check(name, False, f"{rt.hub} is not pulled yet",
+                      f"sudo b70ctl models pull {rt.name}")]  # fmt: skip
     files = model_files(rt)
     if isinstance(files, str):
         return [Check(name, False, files, "download the model there, or fix runtimes.NAME.model")]

@@ -6,6 +6,7 @@ import os
 import time
 
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance.config.hub import amount, pulled_files
 from appliance.errors import ApplianceError
 from appliance.host import gpu, placement
 from appliance.host.gpu import fit
@@ -129,6 +130,11 @@ def _preflight(message: str, hint: str) -> ApplianceError:
 
 def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
     where = f"runtimes.{rt.name}"
+    if rt.hub is not None and not pulled_files(rt.hub.folder(config.models_dir)):
+        raise _preflight(
+            f"{where}.model: {rt.hub} is not pulled yet{_size_of(config, rt)}",
+            f"run `sudo b70ctl models pull {rt.name}` (it fetches it into {config.models_dir})",
+        )
     if rt.launcher is Launcher.NATIVE:
         exe = rt.command[0]
         if os.path.isabs(exe):
@@ -165,3 +171,16 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
                 f"{where}.image: {rt.image} is not present in {rt.launcher}",
                 f"pull it first: {cli} pull {rt.image}",
             )
+
+
+def _size_of(config: Config, rt: RuntimeConfig) -> str:
+    """ ", SIZE GiB to fetch", as the hub says it, or nothing when the hub cannot say."""
+    from appliance.host import hub
+
+    assert rt.hub is not None
+    try:
+        with hub.client() as http:
+            plan = hub.plan(rt.hub, config.models_dir, http)
+    except ApplianceError:
+        return ""
+    return f" ({amount(plan.to_fetch_bytes)} to fetch)"

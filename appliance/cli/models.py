@@ -1,0 +1,182 @@
+"""`b70ctl models`: the models named by their place on the hub (`model = "hf:..."`), pulled into
+the models folder (`[models] dir`), listed, and removed. `uninstall --purge` never removes one."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from appliance.cli import output
+from appliance.cli.base import Context, cli, with_json
+from appliance.config import Config, RuntimeConfig
+from appliance.config.hub import PULLED, amount, pulled_files
+from appliance.errors import ApplianceError
+
+GIB = 1024**3
+
+
+@cli.group()
+def models() -> None:
+    """Models from the Hugging Face hub: `model = "hf:OWNER/REPO"` (or hf:OWNER/REPO:QUANT,
+    hf:OWNER/REPO/FILE.gguf) in a runtime's table, pulled into [models] dir.
+
+    \b
+    Example:
+      sudo b70ctl models pull llamacpp
+    """
+
+
+def _hub_runtimes(config: Config, names: tuple[str, ...]) -> list[RuntimeConfig]:
+    for name in names:
+        rt = config.runtime(name)
+        if rt.hub is None:
+            raise ApplianceError(
+                f"runtimes.{name}.model is {rt.model}, a path, not a model on the hub",
+                hint='write model = "hf:OWNER/REPO" there to have it pulled, or put the files '
+                "at that path yourself", code="not_a_hub_model",
+            )  # fmt: skip
+    chosen = [config.runtime(n) for n in names] if names else list(config.runtimes.values())
+    seen, out = set(), []
+    for rt in chosen:  # one pull per model, whichever runtimes share it
+        if rt.hub is not None and str(rt.hub) not in seen:
+            seen.add(str(rt.hub))
+            out.append(rt)
+    return out
+
+
+class Bar:
+    """The pull's progress on stderr: a line redrawn on a terminal, a line each 10% elsewhere."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.tty = name, sys.stderr.isatty()
+        self.shown, self.start = -1, time.monotonic()
+
+    def __call__(self, path: str, done: int, total: int) -> None:
+        share = done / total if total else 1.0
+        rate = done / max(time.monotonic() - self.start, 1e-3) / 1024**2
+        line = f"{self.name}: {share:6.1%}  {amount(done)} of {amount(total)}  "
+        line += f"{rate:.0f} MiB/s  {path}"
+        if self.tty:
+            print("\r" + line[:150].ljust(150), end="", file=sys.stderr, flush=True)
+        elif int(share * 10) > self.shown:
+            self.shown = int(share * 10)
+            output.log(line)
+
+    def end(self) -> None:
+        if self.tty:
+            print(file=sys.stderr, flush=True)
+
+
+@models.command("pull")
+@click.argument("runtimes", nargs=-1)
+@with_json
+def pull(ctx: Context, runtimes: tuple[str, ...]) -> None:
+    """Fetch the hub models of RUNTIMES (default: every runtime's), with the free space checked
+    first, a cut download resumed, and each file checked against the hub's hash."""
+    from appliance.host import hub
+
+    config = ctx.config()
+    ctx.require_root("models pull")
+    chosen = _hub_runtimes(config, runtimes)
+    if not chosen:
+        raise ApplianceError(
+            "no runtime's model is on the hub", code="nothing_to_pull",
+            hint='write model = "hf:OWNER/REPO" in a runtime\'s table to have it pulled',
+        )  # fmt: skip
+    done = []
+    with hub.client() as http:
+        for rt in chosen:
+            assert rt.hub is not None
+            plan = hub.plan(rt.hub, config.models_dir, http)
+            if not ctx.json:
+                output.log(
+                    f"{rt.name}: {rt.hub}, {len(plan.files)} files, {amount(plan.size_bytes)}, "
+                    f"{amount(plan.to_fetch_bytes)} to fetch, into {plan.folder}"
+                )
+            bar = Bar(rt.name) if not ctx.json else None
+            try:
+                hub.pull(plan, http, bar)
+            finally:
+                if bar is not None:
+                    bar.end()
+            done.append(_entry(config, rt) | {"fetched_bytes": plan.to_fetch_bytes})
+    output.show(ctx.json, {"models": done}, lambda: _table(done))
+
+
+def _entry(config: Config, rt: RuntimeConfig) -> dict[str, Any]:
+    assert rt.hub is not None
+    folder = rt.hub.folder(config.models_dir)
+    files = pulled_files(folder)
+    return {
+        "runtime": rt.name, "model": str(rt.hub), "path": rt.model, "pulled": bool(files),
+        "bytes": sum(int(f.get("size") or 0) for f in files.values()),  # type: ignore[call-overload]
+    }  # fmt: skip
+
+
+def _table(entries: list[dict[str, Any]]) -> str:
+    if not entries:
+        return 'no runtime\'s model is on the hub (model = "hf:OWNER/REPO")'
+    rows = [["RUNTIME", "MODEL", "PULLED", "SIZE", "PATH"]]
+    for e in entries:
+        size = amount(e["bytes"]) if e["pulled"] else "-"
+        rows.append([e["runtime"], e["model"], "yes" if e["pulled"] else "no", size, e["path"]])
+    return output.table(rows)
+
+
+@models.command("list")
+@with_json
+def list_(ctx: Context) -> None:
+    """The runtimes' hub models: pulled or not, their size and path."""
+    config = ctx.config()
+    entries = [_entry(config, rt) for rt in _hub_runtimes(config, ())]
+    output.show(ctx.json, {"models": entries}, lambda: _table(entries))
+
+
+@models.command("rm")
+@click.argument("runtime")
+@with_json
+def rm(ctx: Context, runtime: str) -> None:
+    """Delete RUNTIME's pulled model: the files its pull recorded, and what a cut pull left."""
+    config = ctx.config()
+    ctx.require_root("models rm")
+    (rt,) = _hub_runtimes(config, (runtime,))
+    assert rt.hub is not None
+    folder = rt.hub.folder(config.models_dir)
+    files = pulled_files(folder)
+    removed = []
+    for path in files:
+        for name in (path, path + ".part"):
+            target = folder / name
+            if target.is_file():
+                target.unlink()
+                removed.append(str(target))
+    for part in folder.rglob("*.part") if folder.is_dir() else ():
+        part.unlink()
+        removed.append(str(part))
+    record = folder / PULLED
+    if record.exists():
+        record.unlink()
+        removed.append(str(record))
+    _prune(folder, Path(config.models_dir))
+    output.show(ctx.json, {"removed": removed}, lambda: output.render_removed(removed))
+
+
+def _prune(folder: Path, top: Path) -> None:
+    """Empty folders, in `folder` and from it up to the models folder (not that)."""
+    if folder.is_dir():
+        inner = [p for p in folder.rglob("*") if p.is_dir()]
+        for one in sorted(inner, key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                one.rmdir()
+    here = folder
+    while here != top and top in here.parents:
+        try:
+            here.rmdir()
+        except OSError:
+            return
+        here = here.parent

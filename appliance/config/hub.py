@@ -1,0 +1,124 @@
+"""Models named by their place on the Hugging Face hub (`model = "hf:..."`), and where a pulled one
+lies in the models folder (`[models] dir`).
+
+    hf:OWNER/REPO               the whole repository (a vLLM model: config, tokenizer, weights)
+    hf:OWNER/REPO:QUANT         the repository's GGUF files whose names hold QUANT (Q4_K_M, say),
+                                every part of a split one
+    hf:OWNER/REPO/PATH.gguf     one GGUF file of it (with its other parts, if it is split)
+    ...@REVISION                a branch, tag or commit instead of main
+
+A pulled model lies at DIR/OWNER/REPO/, its files at their paths in the repository, with a record
+of what was pulled (PULLED) beside them. `b70ctl models pull` fetches them (appliance.host.hub).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+PREFIX = "hf:"
+PULLED = ".b70-pulled.json"  # in the model's folder: the files pulled, their sizes and hashes
+DEFAULT_DIR = "/srv/b70/models"
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+_SPEC = re.compile(
+    rf"(?P<owner>{_NAME})/(?P<repo>{_NAME})"
+    r"(?:(?P<file>(?:/[A-Za-z0-9._+-]+)+\.gguf)|:(?P<quant>[A-Za-z0-9._-]{1,40}))?"
+    r"(?:@(?P<revision>[A-Za-z0-9._/-]{1,100}))?"
+)
+SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
+
+
+@dataclass(frozen=True)
+class HubModel:
+    owner: str
+    repo: str
+    file: str | None = None  # one GGUF file's path in the repository
+    quant: str | None = None  # GGUF files whose names hold this
+    revision: str = "main"
+
+    @property
+    def repo_id(self) -> str:
+        return f"{self.owner}/{self.repo}"
+
+    def __str__(self) -> str:
+        tail = f"/{self.file}" if self.file else f":{self.quant}" if self.quant else ""
+        at = f"@{self.revision}" if self.revision != "main" else ""
+        return f"{PREFIX}{self.repo_id}{tail}{at}"
+
+    def wants(self, path: str) -> bool:
+        """Whether a file of the repository is part of this model."""
+        if self.file is not None:
+            return path == self.file or _same_split(path, self.file)
+        if self.quant is not None:
+            name = path.rsplit("/", 1)[-1].lower()
+            return (
+                path.lower().endswith(".gguf")
+                and self.quant.lower() in path.lower()
+                and ("mmproj" not in name)
+            )
+        return True
+
+    def folder(self, models_dir: str | Path) -> Path:
+        return Path(models_dir) / self.owner / self.repo
+
+    def local_path(self, models_dir: str | Path) -> Path:
+        """What the runtime is given: the folder (a whole repository), or its GGUF file (the
+        first part of a split one; llama.cpp finds the others beside it)."""
+        folder = self.folder(models_dir)
+        if self.file is not None:
+            return folder / _first_part(self.file)
+        if self.quant is not None:
+            pulled = pulled_files(folder)
+            firsts = sorted(p for p in pulled if self.wants(p) and _first_part(p) == p)
+            return folder / (firsts[0] if firsts else f"{self.quant}.gguf")
+        return folder
+
+
+def amount(n: int) -> str:
+    """A size as a person reads it: GiB, or MiB below one."""
+    return f"{n / 1024**3:.2f} GiB" if n >= 1024**3 else f"{n / 1024**2:.1f} MiB"
+
+
+def parse(text: str) -> HubModel | str:
+    """The model a `hf:` value names, or what is wrong with it."""
+    body = text[len(PREFIX) :] if text.startswith(PREFIX) else text
+    found = _SPEC.fullmatch(body)
+    if found is None:
+        return (
+            f"{text!r} is not a hub model: write hf:OWNER/REPO, hf:OWNER/REPO:QUANT or "
+            "hf:OWNER/REPO/FILE.gguf (each may end @REVISION)"
+        )
+    file = found["file"]
+    if file and any(part in ("", ".", "..") for part in file[1:].split("/")):
+        return f"{text!r}: its file path may not hold '.', '..' or an empty part"
+    return HubModel(
+        found["owner"], found["repo"], file[1:] if file else None, found["quant"],
+        found["revision"] or "main",
+    )  # fmt: skip
+
+
+def pulled_files(folder: Path) -> dict[str, dict[str, object]]:
+    """The files a pull left in `folder`, by path (nothing: never pulled, or its record is
+    unreadable)."""
+    try:
+        record = json.loads((folder / PULLED).read_text())
+        files = record["files"]
+        return {str(f["path"]): f for f in files if isinstance(f, dict) and "path" in f}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _same_split(path: str, file: str) -> bool:
+    one, other = SPLIT.search(path), SPLIT.search(file)
+    if one is None or other is None:
+        return False
+    return path[: one.start()] == file[: other.start()] and one.group(2) == other.group(2)
+
+
+def _first_part(file: str) -> str:
+    found = SPLIT.search(file)
+    if found is None:
+        return file
+    return f"{file[: found.start()]}-00001-of-{found.group(2)}.gguf"

@@ -1,0 +1,345 @@
+"""Models by name (`model = "hf:..."`): the config's words, and `b70ctl models pull`, `list` and
+`rm` run as a person runs them, against a local folder served over HTTP in the hub's URL layout
+(its tree listing with Link pages, /resolve/ by a redirect, Range requests, a gated repository),
+since no hub can be reached here. Cuts, a bad hash, a small disk and a gated model are the
+server's doing."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from appliance.config import hub as spec
+from appliance.config import parse
+from appliance.errors import ConfigError
+from tests.configs import GOOD
+
+B70CTL = str(Path(sys.executable).parent / "b70ctl")
+GGUF_LFS = (".gguf", ".safetensors")
+
+
+def git_oid(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class Hub:
+    root: Path  # OWNER/REPO/FILES
+    port: int = 0
+    cut_after: int | None = None  # the next download ends after this many bytes
+    corrupt: set[str] = field(default_factory=set)  # files served with a byte changed
+    gated: set[str] = field(default_factory=set)  # repositories that need the token
+    token: str = "hf_test"
+    page: int = 2  # entries per page of the listing
+    ranges: list[str] = field(default_factory=list)  # the Range headers seen
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def listing(self, repo: str) -> list[dict[str, Any]]:
+        base = self.root / repo
+        out: list[dict[str, Any]] = []
+        for path in sorted(base.rglob("*")):
+            rel = path.relative_to(base).as_posix()
+            if path.is_dir():
+                out.append({"type": "directory", "path": rel, "oid": "0" * 40, "size": 0})
+                continue
+            data = path.read_bytes()
+            entry: dict[str, Any] = {"type": "file", "path": rel, "size": len(data),
+                                     "oid": git_oid(data)}  # fmt: skip
+            if rel.endswith(GGUF_LFS):
+                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
+                                "pointerSize": 134}  # fmt: skip
+            out.append(entry)
+        return out
+
+
+def _handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _json(self, code: int, doc: Any, headers: dict[str, str] | None = None) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            for k, v in (headers or {}).items():
+                self.send_header(k, v)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            url = urllib.parse.urlsplit(self.path)
+            parts = url.path.strip("/").split("/")
+            if parts[:2] == ["api", "models"] and parts[4:6] == ["tree", "main"]:
+                repo = "/".join(parts[2:4])
+                if repo in hub.gated and self.headers.get("Authorization") != f"Bearer {hub.token}":
+                    return self._json(401, {"error": "gated"})
+                if not (hub.root / repo).is_dir():
+                    return self._json(404, {"error": "Repository not found"})
+                entries = hub.listing(repo)
+                start = int(urllib.parse.parse_qs(url.query).get("cursor", ["0"])[0])
+                page = entries[start : start + hub.page]
+                headers = {}
+                if start + hub.page < len(entries):
+                    nxt = f"{hub.url}{url.path}?recursive=true&cursor={start + hub.page}"
+                    headers["Link"] = f'<{nxt}>; rel="next"'
+                return self._json(200, page, headers)
+            if len(parts) > 4 and parts[2:4] == ["resolve", "main"]:  # to the "CDN"
+                self.send_response(302)
+                self.send_header("Location", "/cdn/" + "/".join(parts[:2] + parts[4:]))
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            if parts[0] == "cdn":
+                return self._file(hub.root.joinpath(*[urllib.parse.unquote(p) for p in parts[1:]]))
+            return self._json(404, {"error": "no such route"})
+
+        def _file(self, path: Path) -> None:
+            data = bytearray(path.read_bytes())
+            if path.name in hub.corrupt:
+                data[-1] ^= 0xFF
+            start = 0
+            if (given := self.headers.get("Range")) is not None:
+                hub.ranges.append(given)
+                start = int(given.split("=")[1].split("-")[0])
+            body = bytes(data[start:])
+            self.send_response(206 if start else 200)
+            self.send_header("Content-Length", str(len(body)))
+            if start:
+                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            self.end_headers()
+            if hub.cut_after is not None:
+                self.wfile.write(body[: hub.cut_after])
+                hub.cut_after = None
+                self.close_connection = True
+                return
+            self.wfile.write(body)
+
+    return Handler
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[Hub]:
+    root = tmp_path / "hub"
+    repo = root / "acme" / "tiny-GGUF"
+    repo.mkdir(parents=True)
+    (repo / "README.md").write_text("# tiny\n")
+    (repo / "tiny-Q4_K_M.gguf").write_bytes(os.urandom(300_000))
+    (repo / "tiny-Q8_0.gguf").write_bytes(os.urandom(500_000))
+    (repo / "mmproj-tiny-Q4_K_M.gguf").write_bytes(os.urandom(1000))
+    split = repo / "Q6_K"
+    split.mkdir()
+    for i in (1, 2):
+        (split / f"tiny-Q6_K-0000{i}-of-00002.gguf").write_bytes(os.urandom(200_000))
+    hf = root / "acme" / "tiny"
+    (hf / "sub").mkdir(parents=True)
+    (hf / "config.json").write_text('{"model_type": "llama"}\n')
+    (hf / "sub" / "tokenizer.json").write_text("{}\n")
+    (hf / "model.safetensors").write_bytes(os.urandom(400_000))
+    state = Hub(root)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
+    state.port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _config(tmp_path: Path, llamacpp: str, vllm: str = "/models/hf") -> Path:
+    text = GOOD.replace('model = "/models/m.gguf"', f'model = "{llamacpp}"')
+    text = text.replace('model = "/models/hf"', f'model = "{vllm}"')
+    text += f'\n[models]\ndir = "{tmp_path / "models"}"\n'
+    path = tmp_path / f"appliance-{hashlib.sha256(text.encode()).hexdigest()[:8]}.toml"
+    path.write_text(text)
+    return path
+
+
+def b70ctl(config: Path, hub: Hub, *args: str, token: str | None = None) -> Any:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env["HF_ENDPOINT"] = hub.url
+    if token:
+        env["HF_TOKEN"] = token
+    out = subprocess.run([B70CTL, "--user", "--config", str(config), *args], env=env,
+                         capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert "Traceback" not in out.stderr, out.stderr
+    return out
+
+
+def test_hub_names_are_read_or_refused_with_the_forms_they_take(tmp_path: Path) -> None:
+    one = spec.parse("hf:acme/tiny-GGUF:Q4_K_M")
+    assert one == spec.HubModel("acme", "tiny-GGUF", quant="Q4_K_M")
+    assert str(spec.parse("hf:acme/tiny-GGUF/Q6_K/tiny-Q6_K-00002-of-00002.gguf@v1.0")) == (
+        "hf:acme/tiny-GGUF/Q6_K/tiny-Q6_K-00002-of-00002.gguf@v1.0"
+    )
+    for bad in ("hf:acme", "hf:acme/tiny/../x.gguf", "hf:/x/y", "hf:acme/tiny:", "hf:a b/c"):
+        assert isinstance(spec.parse(bad), str), bad
+    config = parse(_config(tmp_path, "hf:acme/tiny-GGUF/Q6_K/tiny-Q6_K-00002-of-00002.gguf",
+                           "hf:acme/tiny").read_text(), tmp_path / "a.toml")  # fmt: skip
+    models = tmp_path / "models"
+    assert config.models_dir == str(models)
+    # the first part of a split file, where llama.cpp finds the others
+    split = models / "acme/tiny-GGUF/Q6_K/tiny-Q6_K-00001-of-00002.gguf"
+    assert config.runtime("llamacpp").model == str(split)
+    assert config.runtime("vllm").model == str(models / "acme" / "tiny")
+    with pytest.raises(ConfigError, match=r"runtimes.llamacpp.model: 'hf:acme' is not a hub"):
+        parse(_config(tmp_path, "hf:acme").read_text(), tmp_path / "a.toml")
+    container = _config(tmp_path, "/models/m.gguf", "hf:acme/tiny").read_text()
+    container = container.replace('engine = "vllm"', 'engine = "vllm"\nlauncher = "docker"\n'
+                                  'image = "vllm/vllm-openai-xpu:v0.26.0"')  # fmt: skip
+    vllm = parse(container, tmp_path / "a.toml").runtime("vllm")
+    assert f"{models}/acme/tiny:{models}/acme/tiny:ro" in vllm.volumes
+
+
+def test_a_pull_fetches_what_the_name_says_checks_it_and_lists_it(tmp_path: Path, hub: Hub) -> None:
+    config = _config(tmp_path, "hf:acme/tiny-GGUF:Q4_K_M", "hf:acme/tiny")
+    listed = json.loads(b70ctl(config, hub, "models", "list", "--json").stdout)["result"]
+    assert [m["pulled"] for m in listed["models"]] == [False, False]
+    out = b70ctl(config, hub, "models", "pull")
+    assert out.returncode == 0, out.stderr
+    assert "llamacpp: hf:acme/tiny-GGUF:Q4_K_M, 1 files" in out.stderr  # the quant, not mmproj
+    assert "100.0%" in out.stderr  # the progress, on stderr
+    models = tmp_path / "models"
+    got = sorted(p.relative_to(models).as_posix() for p in models.rglob("*") if p.is_file())
+    assert got == ["acme/tiny-GGUF/.b70-pulled.json", "acme/tiny-GGUF/tiny-Q4_K_M.gguf",
+                   "acme/tiny/.b70-pulled.json", "acme/tiny/config.json",
+                   "acme/tiny/model.safetensors", "acme/tiny/sub/tokenizer.json"]  # fmt: skip
+    for rel in ("acme/tiny-GGUF/tiny-Q4_K_M.gguf", "acme/tiny/sub/tokenizer.json"):
+        assert (models / rel).read_bytes() == (hub.root / rel).read_bytes()
+    listed = json.loads(b70ctl(config, hub, "models", "list", "--json").stdout)["result"]
+    assert [m["pulled"] for m in listed["models"]] == [True, True]
+    assert listed["models"][0]["path"] == str(models / "acme/tiny-GGUF/tiny-Q4_K_M.gguf")
+    again = json.loads(b70ctl(config, hub, "models", "pull", "--json").stdout)["result"]
+    assert [m["fetched_bytes"] for m in again["models"]] == [0, 0]  # nothing twice
+
+
+def test_a_cut_download_goes_on_from_where_it_stopped(tmp_path: Path, hub: Hub) -> None:
+    config = _config(tmp_path, "hf:acme/tiny-GGUF:Q8_0")
+    hub.cut_after = 123_456
+    cut = b70ctl(config, hub, "models", "pull")
+    assert cut.returncode == 1
+    assert "tiny-Q8_0.gguf stopped at 123456 of 500000 bytes" in cut.stderr, cut.stderr
+    assert "run `b70ctl models pull` again" in cut.stderr
+    part = tmp_path / "models/acme/tiny-GGUF/tiny-Q8_0.gguf.part"
+    assert part.stat().st_size == 123_456
+    resumed = b70ctl(config, hub, "models", "pull")
+    assert resumed.returncode == 0, resumed.stderr
+    assert hub.ranges == ["bytes=123456-"]
+    assert not part.exists()
+    got = (tmp_path / "models/acme/tiny-GGUF/tiny-Q8_0.gguf").read_bytes()
+    assert got == (hub.root / "acme/tiny-GGUF/tiny-Q8_0.gguf").read_bytes()
+
+
+def test_a_file_that_does_not_match_the_hubs_hash_is_deleted(tmp_path: Path, hub: Hub) -> None:
+    config = _config(tmp_path, "hf:acme/tiny-GGUF/Q6_K/tiny-Q6_K-00001-of-00002.gguf")
+    hub.corrupt.add("tiny-Q6_K-00002-of-00002.gguf")
+    out = b70ctl(config, hub, "models", "pull")
+    assert out.returncode == 1 and "does not match the hub's hash" in out.stderr, out.stderr
+    folder = tmp_path / "models/acme/tiny-GGUF/Q6_K"
+    assert sorted(p.name for p in folder.iterdir()) == ["tiny-Q6_K-00001-of-00002.gguf"]
+    assert not (folder.parent / spec.PULLED).exists()  # no record of a model not whole
+    hub.corrupt.clear()
+    assert b70ctl(config, hub, "models", "pull").returncode == 0
+    assert len(list(folder.iterdir())) == 2
+
+
+def test_what_a_pull_cannot_do_is_named_before_it_starts(tmp_path: Path, hub: Hub) -> None:
+    hub.gated.add("acme/tiny")
+    config = _config(tmp_path, "/models/m.gguf", "hf:acme/tiny")
+    gated = b70ctl(config, hub, "models", "pull", "vllm")
+    assert (
+        gated.returncode == 1 and "gated or private" in gated.stderr and "HF_TOKEN" in gated.stderr
+    )
+    assert b70ctl(config, hub, "models", "pull", "vllm", token=hub.token).returncode == 0
+    path = b70ctl(config, hub, "models", "pull", "llamacpp")
+    assert path.returncode == 1 and "a path, not a model on the hub" in path.stderr
+    missing = _config(tmp_path, "hf:acme/nothing-here")
+    gone = b70ctl(missing, hub, "models", "pull", "llamacpp")
+    assert gone.returncode == 1 and "the hub has no acme/nothing-here" in gone.stderr
+    no_quant = _config(tmp_path, "hf:acme/tiny-GGUF:IQ1_S")
+    none = b70ctl(no_quant, hub, "models", "pull", "llamacpp")
+    assert "no file of acme/tiny-GGUF matches" in none.stderr and "tiny-Q8_0.gguf" in none.stderr
+    unreachable = b70ctl(config, Hub(hub.root, port=1), "models", "pull", "vllm")
+    assert unreachable.returncode == 1 and "cannot reach the hub" in unreachable.stderr
+
+
+def test_a_disk_too_small_is_refused_before_a_byte_is_written(
+    tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from appliance.host import hub as hub_mod
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    model = spec.HubModel("acme", "tiny-GGUF", quant="Q8_0")
+    with hub_mod.client() as http:
+        plan = hub_mod.plan(model, str(tmp_path / "models"), http)
+        assert plan.to_fetch_bytes == 500_000
+        monkeypatch.setattr(hub_mod, "free_bytes", lambda folder: 499_999)
+        with pytest.raises(hub_mod.ApplianceError, match=r"needs 0\.5 MiB more") as said:
+            hub_mod.pull(plan, http)
+    assert said.value.code == "disk_full" and "[models] dir" in (said.value.hint or "")
+    assert not (tmp_path / "models").exists()
+
+
+def test_rm_deletes_what_the_pull_wrote_and_nothing_else(tmp_path: Path, hub: Hub) -> None:
+    config = _config(tmp_path, "hf:acme/tiny-GGUF:Q4_K_M")
+    assert b70ctl(config, hub, "models", "pull").returncode == 0
+    mine = tmp_path / "models/acme/tiny-GGUF/notes.txt"
+    mine.write_text("kept")
+    out = b70ctl(config, hub, "models", "rm", "llamacpp")
+    assert out.returncode == 0, out.stderr
+    left = sorted(p.relative_to(tmp_path / "models").as_posix()
+                  for p in (tmp_path / "models").rglob("*"))  # fmt: skip
+    assert left == ["acme", "acme/tiny-GGUF", "acme/tiny-GGUF/notes.txt"]
+
+
+def test_a_switch_and_doctor_name_what_to_pull_and_its_size(
+    tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from appliance.host import doctor
+    from appliance.switch import preflight
+
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    config = parse(_config(tmp_path, "hf:acme/tiny-GGUF:Q8_0").read_text(), tmp_path / "a.toml")
+    rt = config.runtime("llamacpp")
+    with pytest.raises(preflight.ApplianceError) as said:
+        preflight.check_runtime_files(config, rt)
+    assert said.value.message == (
+        "runtimes.llamacpp.model: hf:acme/tiny-GGUF:Q8_0 is not pulled yet (0.5 MiB to fetch)"
+    )
+    assert "b70ctl models pull llamacpp" in (said.value.hint or "")
+    (check,) = doctor._models(rt, config.models_dir)
+    assert not check.ok and check.fix == "sudo b70ctl models pull llamacpp"
+
+
+def test_a_purge_of_the_state_directory_keeps_a_pulled_model(tmp_path: Path, hub: Hub) -> None:
+    """Even with [models] dir inside the state directory, `uninstall --purge` leaves it."""
+    from appliance.deploy.purge import purge_state
+
+    state = tmp_path / "state"
+    config = _config(tmp_path, "hf:acme/tiny-GGUF:Q4_K_M")
+    config.write_text(config.read_text().replace(str(tmp_path / "models"), str(state / "models")))
+    assert b70ctl(config, hub, "models", "pull").returncode == 0
+    (state / "last-switch.json").write_text("{}")
+    purge_state(state)
+    assert not (state / "last-switch.json").exists()
+    kept = sorted(p.name for p in (state / "models" / "acme" / "tiny-GGUF").iterdir())
+    assert kept == [spec.PULLED, "tiny-Q4_K_M.gguf"]
