@@ -32,7 +32,7 @@ from appliance.layout import (
     layout,
 )
 from appliance.switch.lock import writer_lock
-from appliance.switch.preflight import recipe_warnings
+from appliance.switch.preflight import not_pulled, recipe_warnings
 from appliance.switch.recovery import recover_killed
 from appliance.units import systemd
 from appliance.units.render import render_all
@@ -329,12 +329,21 @@ def _start_runtime(
             )
     if active:
         return
-    for name in result.boot_runtimes:  # several: side by side, or the replicas of one
+    boot = []
+    for name in result.boot_runtimes:  # one whose model is not pulled would only fail
+        if (missing := not_pulled(config, config.runtime(name))) is not None:
+            result.notes.append(
+                f"{config.runtime(name).unit} not started: its model {missing}; "
+                f"`sudo b70ctl models pull {name}` fetches it, then `b70ctl switch {name}`"
+            )
+        else:
+            boot.append(name)
+    for name in boot:  # several: side by side, or the replicas of one
         rt = config.runtime(name)
         progress("starting", rt.unit)
         sd.reset_failed(rt.unit)
         sd.start(rt.unit)
-    for name in result.boot_runtimes:
+    for name in boot:
         rt = config.runtime(name)
         try:
             wait_started(sd, rt.unit, rt.start_timeout_s + 60, progress)

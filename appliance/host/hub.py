@@ -56,12 +56,12 @@ def endpoint() -> str:
     return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
-def client() -> httpx.Client:
+def client(timeout_s: float = TIMEOUT_S) -> httpx.Client:
     """A client for the hub: its token sent to the endpoint alone (httpx leaves it off a
     redirect to another host)."""
     token = os.environ.get("HF_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(headers=headers, follow_redirects=True, timeout=TIMEOUT_S)
+    return httpx.Client(headers=headers, follow_redirects=True, timeout=timeout_s)
 
 
 def _refused(model: HubModel, response: httpx.Response, what: str) -> ApplianceError:

@@ -110,6 +110,7 @@ def check_installed(config: Config, lay: Layout, names: tuple[str, ...]) -> None
 # How long a switch waits for a proxy on its way up or back (systemd restarting it after a crash, or
 # a start the operator began): LiteLLM's start takes about 15 s on the demo's CPU.
 PROXY_SETTLE_S = 120.0
+SIZE_ASK_S = 5.0  # how long the hub is asked a missing model's size, at most
 IN_TRANSIT = ("activating", "deactivating", "reloading")
 
 
@@ -130,9 +131,9 @@ def _preflight(message: str, hint: str) -> ApplianceError:
 
 def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
     where = f"runtimes.{rt.name}"
-    if rt.hub is not None and not pulled_files(rt.hub.folder(config.models_dir)):
+    if (missing := not_pulled(config, rt)) is not None:
         raise _preflight(
-            f"{where}.model: {rt.hub} is not pulled yet{_size_of(config, rt)}",
+            f"{where}.model: {missing}",
             f"run `sudo b70ctl models pull {rt.name}` (it fetches it into {config.models_dir})",
         )
     if rt.launcher is Launcher.NATIVE:
@@ -173,13 +174,20 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
             )
 
 
+def not_pulled(config: Config, rt: RuntimeConfig) -> str | None:
+    """ "hf:... is not pulled yet (SIZE to fetch)" for a hub model not pulled, else None."""
+    if rt.hub is None or pulled_files(rt.hub.folder(config.models_dir)):
+        return None
+    return f"{rt.hub} is not pulled yet{_size_of(config, rt)}"
+
+
 def _size_of(config: Config, rt: RuntimeConfig) -> str:
     """ ", SIZE GiB to fetch", as the hub says it, or nothing when the hub cannot say."""
     from appliance.host import hub
 
     assert rt.hub is not None
     try:
-        with hub.client() as http:
+        with hub.client(timeout_s=SIZE_ASK_S) as http:
             plan = hub.plan(rt.hub, config.models_dir, http)
     except ApplianceError:
         return ""
