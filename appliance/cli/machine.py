@@ -1,5 +1,6 @@
-"""The commands about the machine: gpu (memory and who holds it), doctor, and the guards the
-rendered units run around their main process (unit pre, unit ready)."""
+"""The commands about the machine: gpu (memory and who holds it), doctor, setup (a config from
+the cards found), and the guards the rendered units run around their main process (unit pre,
+unit ready)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,59 @@ def doctor(ctx: Context, root: Path | None) -> None:
         output.show(False, doc, lambda: output.render_checks(doc["checks"]))
     doctor_mod.require(checks)
     output.show(ctx.json, doc)
+
+
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="Print the config; write nothing.")
+@click.option("--force", is_flag=True, help="Replace a config there, keeping it beside as .bak.")
+@root_option
+@with_json
+def setup(ctx: Context, dry_run: bool, force: bool, root: Path | None) -> None:
+    """Write the config from the cards found here: examples/b70.toml's recipes where they fit,
+    tensor parallelism for vLLM and a llama.cpp per card on two or more B70s, with a comment
+    per choice. Then `b70ctl install`.
+
+    \b
+    Example:
+      sudo b70ctl setup --dry-run
+      sudo b70ctl setup && sudo b70ctl install
+    """
+    from appliance import config as config_mod
+    from appliance.deploy import setup as setup_mod
+    from appliance.deploy.install import keep_beside
+    from appliance.files import write_atomic
+    from appliance.host import gpu as gpu_mod
+
+    target = ctx.config_path or config_mod.default_config_path(ctx.scope)
+    snap = gpu_mod.snapshot(gpu_root(root))
+    text = setup_mod.write(snap, config_mod.default_b70ctl())
+    left_out = list(setup_mod.skipped(snap))
+    doc: dict[str, object] = {"path": str(target), "text": text, "written": False, "kept": None,
+                              "left_out": left_out}  # fmt: skip
+    if not dry_run:
+        ctx.require_root("setup")
+        old = target.read_text(errors="replace") if target.exists() else None
+        if old is not None and old != text and not force:
+            raise ApplianceError(
+                f"{target} exists: setup does not replace a config",
+                hint="`b70ctl setup --dry-run` shows what it would write; --force replaces it "
+                "and keeps the old one beside it", code="config_exists",
+            )  # fmt: skip
+        if old is not None and old != text:
+            doc["kept"] = keep_beside(target, old)
+        write_atomic(target, text)
+        doc["written"] = True
+
+    def said() -> str:
+        if dry_run:
+            return text.rstrip("\n")
+        lines = [
+            f"wrote {target}" + (f" (the old one kept as {doc['kept']})" if doc["kept"] else "")
+        ]
+        lines += [f"left out: {x}" for x in left_out]
+        return "\n".join([*lines, "next: sudo b70ctl install"])
+
+    output.show(ctx.json, doc, said)
 
 
 @gpu.command("wait-free")

@@ -109,16 +109,7 @@ def install_config(config: Config, lay: Layout, now: float | None = None) -> Con
         current = None
     if current == config.text:
         return None
-    backup = None
-    if current is not None:
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
-        candidate = lay.config.with_name(f"{lay.config.name}.{stamp}.bak")
-        n = 1
-        while candidate.exists():
-            n += 1
-            candidate = lay.config.with_name(f"{lay.config.name}.{stamp}-{n}.bak")
-        write_atomic(candidate, current, mode=lay.config.stat().st_mode & 0o777)
-        backup = str(candidate)
+    backup = keep_beside(lay.config, current, now) if current is not None else None
     diff = "".join(
         difflib.unified_diff(
             (current or "").splitlines(keepends=True),
@@ -129,6 +120,18 @@ def install_config(config: Config, lay: Layout, now: float | None = None) -> Con
     )
     write_atomic(lay.config, config.text)
     return ConfigChange(str(lay.config), diff, backup)
+
+
+def keep_beside(path: Path, text: str, now: float | None = None) -> str:
+    """A file about to be replaced, kept beside it as PATH.DATE.bak: the backup's path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    candidate = path.with_name(f"{path.name}.{stamp}.bak")
+    n = 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}.{stamp}-{n}.bak")
+    write_atomic(candidate, text, mode=path.stat().st_mode & 0o777)
+    return str(candidate)
 
 
 def create_users(sysusers_file: Path) -> None:
