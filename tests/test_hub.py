@@ -218,6 +218,7 @@ def test_a_pull_fetches_what_the_name_says_checks_it_and_lists_it(tmp_path: Path
     assert out.returncode == 0, out.stderr
     assert "llamacpp: hf:acme/tiny-GGUF:Q4_K_M, 1 files" in out.stderr  # the quant, not mmproj
     assert "100.0%" in out.stderr  # the progress, on stderr
+    assert "next: `sudo b70ctl install`, so that the unit of llamacpp names" in out.stdout
     models = tmp_path / "models"
     got = sorted(p.relative_to(models).as_posix() for p in models.rglob("*") if p.is_file())
     assert got == ["acme/tiny-GGUF/.b70-pulled.json", "acme/tiny-GGUF/tiny-Q4_K_M.gguf",

@@ -105,7 +105,14 @@ def pull(ctx: Context, runtimes: tuple[str, ...]) -> None:
                 if bar is not None:
                     bar.end()
             done.append(_entry(config, rt) | {"fetched_bytes": plan.to_fetch_bytes})
-    output.show(ctx.json, {"models": done}, lambda: _table(done))
+    quant = [rt.name for rt in chosen if rt.hub is not None and rt.hub.quant is not None]
+    after = (
+        f"\nnext: `sudo b70ctl install`, so that the unit of {', '.join(quant)} names the file "
+        "pulled"
+        if quant
+        else ""
+    )
+    output.show(ctx.json, {"models": done}, lambda: _table(done) + after)
 
 
 def _entry(config: Config, rt: RuntimeConfig) -> dict[str, Any]:
