@@ -344,3 +344,20 @@ def test_a_purge_of_the_state_directory_keeps_a_pulled_model(tmp_path: Path, hub
     assert not (state / "last-switch.json").exists()
     kept = sorted(p.name for p in (state / "models" / "acme" / "tiny-GGUF").iterdir())
     assert kept == [spec.PULLED, "tiny-Q4_K_M.gguf"]
+
+
+def test_two_quantizations_of_one_repository_share_its_folder_and_not_their_files(
+    tmp_path: Path, hub: Hub
+) -> None:
+    config = _config(tmp_path, "hf:acme/tiny-GGUF:Q4_K_M", "hf:acme/tiny-GGUF:Q8_0")
+    assert b70ctl(config, hub, "models", "pull").returncode == 0
+    folder = tmp_path / "models/acme/tiny-GGUF"
+    listed = json.loads(b70ctl(config, hub, "models", "list", "--json").stdout)["result"]
+    paths = {m["runtime"]: m["path"] for m in listed["models"] if m["pulled"]}
+    assert paths == {"llamacpp": str(folder / "tiny-Q4_K_M.gguf"),
+                     "vllm": str(folder / "tiny-Q8_0.gguf")}  # fmt: skip
+    assert b70ctl(config, hub, "models", "rm", "llamacpp").returncode == 0
+    assert sorted(p.name for p in folder.iterdir()) == [spec.PULLED, "tiny-Q8_0.gguf"]
+    listed = json.loads(b70ctl(config, hub, "models", "list", "--json").stdout)["result"]
+    assert [(m["runtime"], m["pulled"]) for m in listed["models"]] == [
+        ("llamacpp", False), ("vllm", True)]  # fmt: skip

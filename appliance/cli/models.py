@@ -4,6 +4,7 @@ the models folder (`[models] dir`), listed, and removed. `uninstall --purge` nev
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
@@ -14,8 +15,9 @@ import click
 from appliance.cli import output
 from appliance.cli.base import Context, cli, with_json
 from appliance.config import Config, RuntimeConfig
-from appliance.config.hub import PULLED, amount, pulled_files
+from appliance.config.hub import PULLED, amount, pulled, pulled_files
 from appliance.errors import ApplianceError
+from appliance.files import write_atomic
 
 GIB = 1024**3
 
@@ -118,7 +120,7 @@ def pull(ctx: Context, runtimes: tuple[str, ...]) -> None:
 def _entry(config: Config, rt: RuntimeConfig) -> dict[str, Any]:
     assert rt.hub is not None
     folder = rt.hub.folder(config.models_dir)
-    files = pulled_files(folder)
+    files = pulled_files(folder, rt.hub)
     return {
         "runtime": rt.name, "model": str(rt.hub), "path": rt.model, "pulled": bool(files),
         "bytes": sum(int(f.get("size") or 0) for f in files.values()),  # type: ignore[call-overload]
@@ -154,21 +156,28 @@ def rm(ctx: Context, runtime: str) -> None:
     (rt,) = _hub_runtimes(config, (runtime,))
     assert rt.hub is not None
     folder = rt.hub.folder(config.models_dir)
-    files = pulled_files(folder)
+    record = pulled(folder)
+    others = {str(f["path"]) for name, files in record.items() if name != str(rt.hub)
+              for f in files}  # fmt: skip
     removed = []
-    for path in files:
+    for path in pulled_files(folder, rt.hub):
+        if path in others:  # another model pulled here has it too
+            continue
         for name in (path, path + ".part"):
             target = folder / name
             if target.is_file():
                 target.unlink()
                 removed.append(str(target))
-    for part in folder.rglob("*.part") if folder.is_dir() else ():
-        part.unlink()
-        removed.append(str(part))
-    record = folder / PULLED
-    if record.exists():
-        record.unlink()
-        removed.append(str(record))
+    if not others and folder.is_dir():
+        for part in folder.rglob("*.part"):  # what a cut pull left
+            part.unlink()
+            removed.append(str(part))
+    rest = {name: files for name, files in record.items() if name != str(rt.hub)}
+    if rest:
+        write_atomic(folder / PULLED, json.dumps({"models": rest}, indent=1) + "\n")
+    elif (folder / PULLED).exists():
+        (folder / PULLED).unlink()
+        removed.append(str(folder / PULLED))
     _prune(folder, Path(config.models_dir))
     output.show(ctx.json, {"removed": removed}, lambda: output.render_removed(removed))
 

@@ -8,7 +8,8 @@ lies in the models folder (`[models] dir`).
     ...@REVISION                a branch, tag or commit instead of main
 
 A pulled model lies at DIR/OWNER/REPO/, its files at their paths in the repository, with a record
-of what was pulled (PULLED) beside them. `b70ctl models pull` fetches them (appliance.host.hub).
+of what was pulled (PULLED) beside them: the files of each model pulled there (two quantizations
+of one repository share its folder). `b70ctl models pull` fetches them (appliance.host.hub).
 """
 
 from __future__ import annotations
@@ -70,8 +71,8 @@ class HubModel:
         if self.file is not None:
             return folder / _first_part(self.file)
         if self.quant is not None:
-            pulled = pulled_files(folder)
-            firsts = sorted(p for p in pulled if self.wants(p) and _first_part(p) == p)
+            mine = pulled_files(folder, self)
+            firsts = sorted(p for p in mine if self.wants(p) and _first_part(p) == p)
             return folder / (firsts[0] if firsts else f"{self.quant}.gguf")
         return folder
 
@@ -99,15 +100,25 @@ def parse(text: str) -> HubModel | str:
     )  # fmt: skip
 
 
-def pulled_files(folder: Path) -> dict[str, dict[str, object]]:
-    """The files a pull left in `folder`, by path (nothing: never pulled, or its record is
-    unreadable)."""
+def pulled(folder: Path) -> dict[str, list[dict[str, object]]]:
+    """The record of what pulls left in `folder` (one repository's): the files of each model
+    pulled there, by its name (hf:...). Nothing: never pulled, or the record unreadable."""
     try:
-        record = json.loads((folder / PULLED).read_text())
-        files = record["files"]
-        return {str(f["path"]): f for f in files if isinstance(f, dict) and "path" in f}
-    except (OSError, ValueError, KeyError, TypeError):
+        models = json.loads((folder / PULLED).read_text())["models"]
+        return {
+            str(name): [f for f in files if isinstance(f, dict) and "path" in f]
+            for name, files in models.items()
+            if isinstance(files, list)
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+
+
+def pulled_files(folder: Path, model: HubModel | None = None) -> dict[str, dict[str, object]]:
+    """The files pulled into `folder` for `model` (for any model, when None), by path."""
+    record = pulled(folder)
+    lists = [record.get(str(model), [])] if model is not None else list(record.values())
+    return {str(f["path"]): f for files in lists for f in files}
 
 
 def _same_split(path: str, file: str) -> bool:

@@ -361,7 +361,7 @@ def hf_hub(rt: RuntimeConfig) -> Path | None:
 
 def _models(rt: RuntimeConfig, models_dir: str) -> list[Check]:
     name = f"{rt.name}: model"
-    if rt.hub is not None and not pulled_files(rt.hub.folder(models_dir)):
+    if rt.hub is not None and not pulled_files(rt.hub.folder(models_dir), rt.hub):
         return [Check(name, False, f"{rt.hub} is not pulled yet",
                       f"sudo b70ctl models pull {rt.name}")]  # fmt: skip
     files = model_files(rt)

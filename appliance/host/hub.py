@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from appliance.config.hub import PULLED, HubModel, amount, pulled_files
+from appliance.config.hub import PULLED, HubModel, amount, pulled, pulled_files
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
 
@@ -201,8 +201,8 @@ def pull(the_plan: Plan, http: httpx.Client, progress: Progress | None = None) -
             done += part
             if progress is not None:
                 progress(file.path, done, total)
-    record = {"model": str(the_plan.model), "files": [f.record() for f in the_plan.files]}
-    write_atomic(folder / PULLED, json.dumps(record, indent=1) + "\n")
+    models = {**pulled(folder), str(the_plan.model): [f.record() for f in the_plan.files]}
+    write_atomic(folder / PULLED, json.dumps({"models": models}, indent=1) + "\n")
     return Plan(the_plan.model, folder, the_plan.files, [], 0)
 
 

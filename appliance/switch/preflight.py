@@ -176,7 +176,7 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
 
 def not_pulled(config: Config, rt: RuntimeConfig) -> str | None:
     """ "hf:... is not pulled yet (SIZE to fetch)" for a hub model not pulled, else None."""
-    if rt.hub is None or pulled_files(rt.hub.folder(config.models_dir)):
+    if rt.hub is None or pulled_files(rt.hub.folder(config.models_dir), rt.hub):
         return None
     return f"{rt.hub} is not pulled yet{_size_of(config, rt)}"
 
