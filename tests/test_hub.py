@@ -305,8 +305,10 @@ def test_rm_deletes_what_the_pull_wrote_and_nothing_else(tmp_path: Path, hub: Hu
     assert b70ctl(config, hub, "models", "pull").returncode == 0
     mine = tmp_path / "models/acme/tiny-GGUF/notes.txt"
     mine.write_text("kept")
-    out = b70ctl(config, hub, "models", "rm", "llamacpp")
+    out = b70ctl(config, hub, "models", "rm", "llamacpp", "--json")
     assert out.returncode == 0, out.stderr
+    removed = json.loads(out.stdout)["result"]["removed"]
+    assert sorted(Path(r).name for r in removed) == [spec.PULLED, "tiny-Q4_K_M.gguf"]
     left = sorted(p.relative_to(tmp_path / "models").as_posix()
                   for p in (tmp_path / "models").rglob("*"))  # fmt: skip
     assert left == ["acme", "acme/tiny-GGUF", "acme/tiny-GGUF/notes.txt"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from b70tools import gpu_trees
 from b70tools.net import free_port
 from tests.conftest import REPO, Appliance, demo_config_text, require_real_parts, running_manager
 from tests.test_cli import ARGS
@@ -71,6 +72,15 @@ GOOD: dict[tuple[str, ...], tuple[Args, set[str]]] = {
     ("keys", "rotate"): (lambda app, tmp: [made(app, "json-rotate")], {"name", "key"}),
     ("keys", "revoke"): (lambda app, tmp: [made(app, "json-revoke")], {"revoked"}),
     ("usage",): (lambda app, tmp: ["--since", "1h"], {"since", "keys"}),
+    ("models", "list"): (lambda app, tmp: [], {"models"}),
+    ("setup",): (
+        lambda app, tmp: [
+            "--dry-run",
+            "--root",
+            str(gpu_trees.healthy_host(tmp / "root", [gpu_trees.B70])),
+        ],
+        {"path", "text", "written", "kept", "left_out"},
+    ),
     ("unit", "pre"): (lambda app, tmp: ["--port", str(free_port())], {"port", "free"}),
     ("unit", "ready"): (
         lambda app, tmp: [
@@ -83,10 +93,11 @@ GOOD: dict[tuple[str, ...], tuple[Args, set[str]]] = {
 
 
 def test_the_table_covers_every_command_that_has_a_result() -> None:
-    groups = {("unit",), ("keys",)}  # groups without a command of their own: a usage error
+    groups = {("unit",), ("keys",), ("models",)}  # no command of their own: a usage error
     # doctor fails on this appliance's broken runtime, as it should: tests/test_doctor.py runs
-    # it on a healthy host of its own and checks the envelope there.
-    own = {("install",), ("uninstall",), ("doctor",)}
+    # it on a healthy host of its own and checks the envelope there. This appliance has no model
+    # on the hub: tests/test_hub.py pulls and removes them, with --json, from a local hub.
+    own = {("install",), ("uninstall",), ("doctor",), ("models", "pull"), ("models", "rm")}
     assert set(GOOD) | own | groups == set(ARGS)
 
 
