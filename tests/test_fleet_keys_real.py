@@ -91,8 +91,31 @@ def doors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Doors]:
             box.manager.systemctl("start", "b70-litellm.service")
             stack.callback(box.b70ctl, "uninstall", "--purge")
             boxes[name] = box
+        _warm(boxes["a"], boxes["b"])
         yield Doors(a=boxes["a"], b=boxes["b"])
     shutil.rmtree(root, ignore_errors=True)
+
+
+STARTUP_S = 300.0  # a door's proxy loading LiteLLM on a machine the whole suite keeps busy
+
+
+def _warm(a: Appliance, b: Appliance) -> None:
+    """Both doors serve and follow the fleet before any change is timed: the fixture starts
+    their proxies without waiting, and a try sent to a door still loading waits in its socket
+    (CI, session 25: the first timed change failed behind a proxy that was still starting)."""
+
+    def answers(door: Appliance, key: str) -> int:
+        import openai
+
+        try:
+            return _models(door, key)
+        except openai.APIConnectionError:  # not serving yet (a timeout is one too)
+            return 0
+
+    warm = _json(a, "keys", "add", "warmup")["key"]
+    _within(STARTUP_S, lambda: answers(b, warm) == 200 and answers(a, warm) == 200, every=1.0)
+    _json(a, "keys", "revoke", "warmup")
+    _within(STARTUP_S, lambda: answers(b, warm) == 401 and answers(a, warm) == 401, every=1.0)
 
 
 def _models(door: Appliance, key: str) -> int:
