@@ -4,7 +4,6 @@ the models folder (`[models] dir`), listed, and removed. `uninstall --purge` nev
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 from pathlib import Path
@@ -15,9 +14,8 @@ import click
 from appliance.cli import output
 from appliance.cli.base import Context, cli, with_json
 from appliance.config import Config, RuntimeConfig
-from appliance.config.hub import PULLED, amount, pulled, pulled_files
+from appliance.config.hub import PULLED, amount, pulled, pulled_files, write_pulled
 from appliance.errors import ApplianceError
-from appliance.files import write_atomic
 
 GIB = 1024**3
 
@@ -173,11 +171,9 @@ def rm(ctx: Context, runtime: str) -> None:
             part.unlink()
             removed.append(str(part))
     rest = {name: files for name, files in record.items() if name != str(rt.hub)}
-    if rest:
-        write_atomic(folder / PULLED, json.dumps({"models": rest}, indent=1) + "\n")
-    elif (folder / PULLED).exists():
-        (folder / PULLED).unlink()
+    if not rest and (folder / PULLED).exists():
         removed.append(str(folder / PULLED))
+    write_pulled(folder, rest)
     _prune(folder, Path(config.models_dir))
     output.show(ctx.json, {"removed": removed}, lambda: output.render_removed(removed))
 

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from appliance.files import write_atomic
+
 PREFIX = "hf:"
 PULLED = ".b70-pulled.json"  # in the model's folder: the files pulled, their sizes and hashes
 DEFAULT_DIR = "/srv/b70/models"
@@ -63,6 +65,9 @@ class HubModel:
 
     def folder(self, models_dir: str | Path) -> Path:
         return Path(models_dir) / self.owner / self.repo
+
+    def is_pulled(self, models_dir: str | Path) -> bool:
+        return bool(pulled_files(self.folder(models_dir), self))
 
     def local_path(self, models_dir: str | Path) -> Path:
         """What the runtime is given: the folder (a whole repository), or its GGUF file (the
@@ -112,6 +117,14 @@ def pulled(folder: Path) -> dict[str, list[dict[str, object]]]:
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
+
+
+def write_pulled(folder: Path, models: dict[str, list[dict[str, object]]]) -> None:
+    """The record (`pulled`'s) written whole, atomically; none left when no model is."""
+    if models:
+        write_atomic(folder / PULLED, json.dumps({"models": models}, indent=1) + "\n")
+    else:
+        (folder / PULLED).unlink(missing_ok=True)
 
 
 def pulled_files(folder: Path, model: HubModel | None = None) -> dict[str, dict[str, object]]:

@@ -21,6 +21,7 @@ from appliance import GIB
 from appliance.config import parse
 from appliance.errors import ApplianceError
 from appliance.host import gpu
+from appliance.host.gpu.fit import gib
 
 VLLM_IMAGE = "ghcr.io/riceharvest/b70-vllm:v0.31.0-b70.3"
 VLLM_MODEL = "palmfuture/Qwen3.6-35B-A3B-GPTQ-Int4"
@@ -97,10 +98,6 @@ def _fits(card: Card, recipe: dict[str, Any]) -> bool:
     return bool(card.total_bytes >= recipe["memory_needed_gib"] * GIB)
 
 
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
 def _value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -136,7 +133,7 @@ def _comment(text: str) -> list[str]:
 def write(snap: gpu.Snapshot, b70ctl: str) -> str:
     """The config for these cards, with a comment per choice."""
     found = cards(snap)
-    listed = ", ".join(f"{c.slot} ({c.name}, {_gib(c.total_bytes)})" for c in found)
+    listed = ", ".join(f"{c.slot} ({c.name}, {gib(c.total_bytes)})" for c in found)
     lines = [
         "# Written by `b70ctl setup` from the cards found here (as `b70ctl gpu` reads them):",
         f"# {listed}.",
@@ -162,7 +159,7 @@ def write(snap: gpu.Snapshot, b70ctl: str) -> str:
         why = _comment(
             f"vLLM on card {card}: it needs {VLLM_ONE['memory_needed_gib']} GiB "
             f"(--gpu-memory-utilization 0.82 of 32 GiB) and the card has "
-            f"{_gib(one[0].total_bytes)}. fp16 GDN state: 1420-1510 tok/s generation at 64 users "
+            f"{gib(one[0].total_bytes)}. fp16 GDN state: 1420-1510 tok/s generation at 64 users "
             "measured on one B70."
         )
         table = {**VLLM_ONE, **({"cards": [card]} if len(found) > 1 else {})}
@@ -191,7 +188,7 @@ def write(snap: gpu.Snapshot, b70ctl: str) -> str:
         least = min(LLAMACPP["memory_needed_gib"], VLLM_ONE["memory_needed_gib"])
         raise ApplianceError(
             f"no recipe fits these cards: the smallest needs {least} GiB on a card, and the "
-            f"largest here has {_gib(max(c.total_bytes for c in found))}",
+            f"largest here has {gib(max(c.total_bytes for c in found))}",
             hint="write the config by hand (examples/b70.toml is the pattern) with a smaller "
             "model; `b70ctl plan` says what a vLLM recipe needs", code="no_recipe_fits",
         )  # fmt: skip
@@ -243,5 +240,5 @@ def skipped(snap: gpu.Snapshot) -> Sequence[str]:
             for m in snap.devices if m.total_bytes is None]  # fmt: skip
     for c in cards(snap):
         if not _fits(c, LLAMACPP) and not _fits(c, VLLM_ONE):
-            out.append(f"{c.slot} ({c.name}, {_gib(c.total_bytes)}): no recipe fits")
+            out.append(f"{c.slot} ({c.name}, {gib(c.total_bytes)}): no recipe fits")
     return out

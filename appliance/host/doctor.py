@@ -14,7 +14,6 @@ from pathlib import Path
 
 from appliance import GIB, run
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
-from appliance.config.hub import pulled_files
 from appliance.errors import ApplianceError, ConfigError
 from appliance.host import access, modelfiles, placement
 from appliance.host.gpu import xe
@@ -361,7 +360,7 @@ def hf_hub(rt: RuntimeConfig) -> Path | None:
 
 def _models(rt: RuntimeConfig, models_dir: str) -> list[Check]:
     name = f"{rt.name}: model"
-    if rt.hub is not None and not pulled_files(rt.hub.folder(models_dir), rt.hub):
+    if rt.hub is not None and not rt.hub.is_pulled(models_dir):
         return [Check(name, False, f"{rt.hub} is not pulled yet",
                       f"sudo b70ctl models pull {rt.name}")]  # fmt: skip
     files = model_files(rt)

@@ -18,7 +18,6 @@ id for the others) before it takes its name, and ends with the record of what it
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import urllib.parse
@@ -29,9 +28,8 @@ from typing import Any
 
 import httpx
 
-from appliance.config.hub import PULLED, HubModel, amount, pulled, pulled_files
+from appliance.config.hub import HubModel, amount, pulled, pulled_files, write_pulled
 from appliance.errors import ApplianceError
-from appliance.files import write_atomic
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 CHUNK = 1024 * 1024
@@ -196,22 +194,23 @@ def pull(the_plan: Plan, http: httpx.Client, progress: Progress | None = None) -
         )
     done, total = 0, the_plan.to_fetch_bytes
     for file in the_plan.missing:
-        target = folder / file.path
-        for part in _fetch(the_plan.model, file, target, http):
+        for part in _fetch(the_plan.model, file, folder, http):
             done += part
             if progress is not None:
                 progress(file.path, done, total)
-    models = {**pulled(folder), str(the_plan.model): [f.record() for f in the_plan.files]}
-    write_atomic(folder / PULLED, json.dumps({"models": models}, indent=1) + "\n")
+    write_pulled(
+        folder, {**pulled(folder), str(the_plan.model): [f.record() for f in the_plan.files]}
+    )
     return Plan(the_plan.model, folder, the_plan.files, [], 0)
 
 
-def _fetch(model: HubModel, file: HubFile, target: Path, http: httpx.Client) -> Iterator[int]:
-    """One file into TARGET.part, from where the last pull stopped; yields bytes as they come."""
+def _fetch(model: HubModel, file: HubFile, folder: Path, http: httpx.Client) -> Iterator[int]:
+    """One file into its PATH.part, from where the last pull stopped; yields bytes as they
+    come."""
+    target = folder / file.path
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_name(target.name + ".part")
-    held = part.stat().st_size if part.exists() else 0
-    held = held if held <= file.size else 0
+    held = _part_size(folder, file)
     digest = _fresh(file)
     if held:
         with part.open("rb") as f:

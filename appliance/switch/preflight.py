@@ -6,7 +6,7 @@ import os
 import time
 
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
-from appliance.config.hub import amount, pulled_files
+from appliance.config.hub import amount
 from appliance.errors import ApplianceError
 from appliance.host import gpu, placement
 from appliance.host.gpu import fit
@@ -176,7 +176,7 @@ def check_runtime_files(config: Config, rt: RuntimeConfig) -> None:
 
 def not_pulled(config: Config, rt: RuntimeConfig) -> str | None:
     """ "hf:... is not pulled yet (SIZE to fetch)" for a hub model not pulled, else None."""
-    if rt.hub is None or pulled_files(rt.hub.folder(config.models_dir), rt.hub):
+    if rt.hub is None or rt.hub.is_pulled(config.models_dir):
         return None
     return f"{rt.hub} is not pulled yet{_size_of(config, rt)}"
 
