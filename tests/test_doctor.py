@@ -396,3 +396,117 @@ def test_offload_flag_forms() -> None:
     assert doctor.offload_gib(["--cpu-offload-gb", "4"]) == 4
     assert doctor.offload_gib(["--cpu-offload-gb=2.5"]) == 2.5
     assert doctor.offload_gib(["--x"]) == 0
+
+
+def test_a_tree_of_sysfs_alone_reads_the_machines_own_files(host: Host, tmp_path: Path) -> None:
+    """A fixture of the kernel's sysfs and /dev only (B70_SYSROOT): the kernel's version, the
+    groups and memory are this machine's."""
+    host.root = t.build(tmp_path / "sysfs-only", [t.Card("0000:03:00.0")], [])
+    checks = host.checks()
+    release = Path("/proc/sys/kernel/osrelease").read_text().strip()
+    assert str(checks["kernel"][0]["detail"]).startswith(release)
+    assert "cannot read MemTotal" not in json.dumps(checks)
+
+
+# --- doctor inside install --------------------------------------------------------------------
+
+
+class Installs:
+    """`b70ctl install` on the host's fixture tree (B70_SYSROOT), as root on the system manager,
+    with what comes after the checks and the fetches (writing the units) recorded, not done."""
+
+    def __init__(self, host: Host, monkeypatch: pytest.MonkeyPatch) -> None:
+        from appliance.deploy import install as install_mod
+
+        self.host, self.reached = host, []
+        pulled = host.calls.parent / "pulled"
+
+        def fake(config, scope, now, progress):  # type: ignore[no-untyped-def]
+            self.reached.append(config)
+            return install_mod.InstallResult(str(scope.value), [], [], False, [], [])
+
+        monkeypatch.setattr(install_mod, "install", fake)
+        # docker that has the image only once it was pulled (or always, without DOCKER_NO_IMAGE)
+        executable(
+            host.docker,
+            f'#!/bin/sh\necho "$@" >> {host.calls}\n'
+            'case "$1" in info) exit 0;;\n'
+            f'  pull) [ -n "$PULL_FAILS" ] && {{ echo "manifest unknown" >&2; exit 1; }}\n'
+            f'    echo "Downloading layer"; touch {pulled};;\n'
+            f'  image) [ -n "$DOCKER_NO_IMAGE" ] && [ ! -e {pulled} ] && '
+            '{ echo "No such image" >&2; exit 1; }\n'
+            "    echo sha256:0123456789abcdef0123;; esac\n",
+        )
+
+    def run(self, *extra: str, user: bool = False, **env: str) -> subprocess.CompletedProcess[str]:
+        self.host.config_path.write_text(self.host.text)
+        with self.host.monkeypatch.context() as m:
+            m.setenv("PATH", f"{self.host.bin}:{os.environ['PATH']}")
+            m.setenv("B70_SYSROOT", str(self.host.root))
+            for key, value in env.items():
+                m.setenv(key, value)
+            argv = ["--config", str(self.host.config_path), "install", *extra]
+            return _in_process(["--user"] * user + argv, m, self.host.capsys)
+
+
+@pytest.fixture
+def installs(host: Host, monkeypatch: pytest.MonkeyPatch) -> Installs:
+    return Installs(host, monkeypatch)
+
+
+def test_install_stops_on_a_failed_check_with_its_fix_before_anything(installs: Installs) -> None:
+    installs.host.write("proc/meminfo", "MemTotal:       8388608 kB\n")
+    out = installs.run(DOCKER_NO_IMAGE="1")
+    assert out.returncode == 1, out
+    assert "FAIL tp: host memory: " in out.stderr
+    assert "fix: lower --cpu-offload-gb, or add memory" in out.stderr
+    assert "error: doctor: 1 of 15 checks failed: tp: host memory; nothing was installed" in (
+        out.stderr
+    )
+    assert "--no-doctor" in out.stderr and "Traceback" not in out.stderr
+    assert installs.reached == []
+    assert " pull " not in f" {installs.host.calls.read_text()}"  # nothing fetched either
+    as_json = json.loads(installs.run("--json", DOCKER_NO_IMAGE="1").stdout)
+    assert as_json["error"]["code"] == "doctor_failed"
+    assert as_json["error"]["message"].startswith("doctor: 1 of 15 checks failed: tp: host memory")
+    failed = {c["name"]: c["fetch"] for c in as_json["error"]["details"]["checks"] if not c["ok"]}
+    assert failed == {"tp: host memory": None, "tp: image": "image"}  # the pull would mend one
+
+
+def test_install_pulls_a_missing_image_then_checks_again(installs: Installs) -> None:
+    out = installs.run(DOCKER_NO_IMAGE="1")
+    assert out.returncode == 0, out
+    assert "pulling ghcr.io/x/vllm:1 with docker" in out.stderr
+    assert "Downloading layer" in out.stderr  # the engine's own progress, on stderr
+    calls = installs.host.calls.read_text().splitlines()
+    assert "pull ghcr.io/x/vllm:1" in calls
+    pulled_at = calls.index("pull ghcr.io/x/vllm:1")
+    assert any(c.startswith("image inspect") for c in calls[pulled_at + 1 :])  # checked again
+    assert len(installs.reached) == 1
+
+
+def test_install_with_no_pull_stops_at_the_missing_image(installs: Installs) -> None:
+    out = installs.run("--no-pull", DOCKER_NO_IMAGE="1")
+    assert out.returncode == 1
+    assert "FAIL tp: image: ghcr.io/x/vllm:1 is not present" in out.stderr
+    assert "docker pull ghcr.io/x/vllm:1" in out.stderr
+    assert installs.reached == []
+
+
+def test_a_pull_that_fails_is_named_and_nothing_is_installed(installs: Installs) -> None:
+    out = installs.run(DOCKER_NO_IMAGE="1", PULL_FAILS="1")
+    assert out.returncode == 1
+    assert "error: docker pull ghcr.io/x/vllm:1 failed: manifest unknown" in out.stderr
+    assert "Traceback" not in out.stderr and installs.reached == []
+
+
+def test_no_doctor_installs_anyway_and_user_scope_skips_it(
+    installs: Installs, tmp_path: Path
+) -> None:
+    installs.host.root = t.build(tmp_path / "empty", [], [])  # no B70 at all
+    assert installs.run().returncode == 1
+    out = installs.run("--no-doctor")
+    assert out.returncode == 0, out
+    assert len(installs.reached) == 1
+    assert installs.run(user=True).returncode == 0  # a user manager's install (the demo)
+    assert installs.run("--doctor", user=True).returncode == 1

@@ -363,3 +363,56 @@ def test_two_quantizations_of_one_repository_share_its_folder_and_not_their_file
     listed = json.loads(b70ctl(config, hub, "models", "list", "--json").stdout)["result"]
     assert [(m["runtime"], m["pulled"]) for m in listed["models"]] == [
         ("llamacpp", False), ("vllm", True)]  # fmt: skip
+
+
+def test_install_pulls_the_models_first_and_its_units_name_the_file_pulled(
+    tmp_path: Path, hub: Hub, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`b70ctl install` fetches a hub model that is not there before it renders anything, with
+    its size said and its progress on stderr; the units it writes name the quantization's file."""
+    from appliance.deploy import install as install_mod
+    from tests.test_cli import _in_process
+
+    reached: list[Any] = []
+
+    def fake(config: Any, scope: Any, now: bool, progress: Any) -> Any:
+        reached.append(config)
+        return install_mod.InstallResult(scope.value, [], [], False, [], [])
+
+    monkeypatch.setattr(install_mod, "install", fake)
+    for key in [k for k in os.environ if k.startswith("HF_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    config = _config(tmp_path, "hf:acme/tiny-GGUF:Q8_0")
+    argv = ["--user", "--config", str(config), "install", "--no-now"]
+    out = _in_process(argv, monkeypatch, capsys)
+    assert out.returncode == 0, out.stderr
+    assert "llamacpp: hf:acme/tiny-GGUF:Q8_0, 1 files, 0.5 MiB, 0.5 MiB to fetch" in out.stderr
+    assert "100.0%" in out.stderr
+    pulled = tmp_path / "models/acme/tiny-GGUF/tiny-Q8_0.gguf"
+    assert pulled.read_bytes() == (hub.root / "acme/tiny-GGUF/tiny-Q8_0.gguf").read_bytes()
+    assert reached[0].runtime("llamacpp").model == str(pulled)
+    again = _in_process(argv, monkeypatch, capsys)  # nothing twice
+    assert again.returncode == 0 and "to fetch" not in again.stderr
+
+
+def test_a_projector_named_on_the_hub_is_pulled_with_its_model(tmp_path: Path, hub: Hub) -> None:
+    text = _config(tmp_path, "hf:acme/tiny-GGUF:Q4_K_M").read_text()
+    text = text.replace('engine = "llamacpp"',
+                        'engine = "llamacpp"\nmmproj = "hf:acme/tiny-GGUF/mmproj-tiny-Q4_K_M.gguf"')  # fmt: skip
+    config = tmp_path / "with-mmproj.toml"
+    config.write_text(text)
+    out = b70ctl(config, hub, "models", "pull")
+    assert out.returncode == 0, out.stderr
+    assert "llamacpp: hf:acme/tiny-GGUF:Q4_K_M, 2 files" in out.stderr
+    folder = tmp_path / "models/acme/tiny-GGUF"
+    loaded = parse(text, config).runtime("llamacpp")
+    assert loaded.model == str(folder / "tiny-Q4_K_M.gguf")  # the weights, not the projector
+    assert loaded.mmproj == str(folder / "mmproj-tiny-Q4_K_M.gguf")
+    assert (
+        Path(loaded.mmproj).read_bytes()
+        == (hub.root / "acme/tiny-GGUF/mmproj-tiny-Q4_K_M.gguf").read_bytes()
+    )
+    other = text.replace("hf:acme/tiny-GGUF/mmproj", "hf:acme/tiny/mmproj")
+    with pytest.raises(ConfigError, match=r"must name one \.gguf file of the model's own hub"):
+        parse(other, config)

@@ -78,8 +78,6 @@ class Bar:
 def pull(ctx: Context, runtimes: tuple[str, ...]) -> None:
     """Fetch the hub models of RUNTIMES (default: every runtime's), with the free space checked
     first, a cut download resumed, and each file checked against the hub's hash."""
-    from appliance.host import hub
-
     config = ctx.config()
     ctx.require_root("models pull")
     chosen = _hub_runtimes(config, runtimes)
@@ -88,23 +86,7 @@ def pull(ctx: Context, runtimes: tuple[str, ...]) -> None:
             "no runtime's model is on the hub", code="nothing_to_pull",
             hint='write model = "hf:OWNER/REPO" in a runtime\'s table to have it pulled',
         )  # fmt: skip
-    done = []
-    with hub.client() as http:
-        for rt in chosen:
-            assert rt.hub is not None
-            plan = hub.plan(rt.hub, config.models_dir, http)
-            if not ctx.json:
-                output.log(
-                    f"{rt.name}: {rt.hub}, {len(plan.files)} files, {amount(plan.size_bytes)}, "
-                    f"{amount(plan.to_fetch_bytes)} to fetch, into {plan.folder}"
-                )
-            bar = Bar(rt.name) if not ctx.json else None
-            try:
-                hub.pull(plan, http, bar)
-            finally:
-                if bar is not None:
-                    bar.end()
-            done.append(_entry(config, rt) | {"fetched_bytes": plan.to_fetch_bytes})
+    done = fetch(config, chosen, ctx.json)
     quant = [rt.name for rt in chosen if rt.hub is not None and rt.hub.quant is not None]
     after = (
         f"\nnext: `sudo b70ctl install`, so that the unit of {', '.join(quant)} names the file "
@@ -113,6 +95,31 @@ def pull(ctx: Context, runtimes: tuple[str, ...]) -> None:
         else ""
     )
     output.show(ctx.json, {"models": done}, lambda: _table(done) + after)
+
+
+def fetch(config: Config, chosen: list[RuntimeConfig], quiet: bool) -> list[dict[str, Any]]:
+    """Each runtime's hub model pulled, its size said first and a bar drawn on stderr (none when
+    `quiet`, under --json); what each fetched."""
+    from appliance.host import hub
+
+    done = []
+    with hub.client() as http:
+        for rt in chosen:
+            assert rt.hub is not None
+            plan = hub.plan(rt.hub, config.models_dir, http)
+            if not quiet:
+                output.log(
+                    f"{rt.name}: {rt.hub}, {len(plan.files)} files, {amount(plan.size_bytes)}, "
+                    f"{amount(plan.to_fetch_bytes)} to fetch, into {plan.folder}"
+                )
+            bar = Bar(rt.name) if not quiet else None
+            try:
+                hub.pull(plan, http, bar)
+            finally:
+                if bar is not None:
+                    bar.end()
+            done.append(_entry(config, rt) | {"fetched_bytes": plan.to_fetch_bytes})
+    return done
 
 
 def _entry(config: Config, rt: RuntimeConfig) -> dict[str, Any]:
@@ -192,3 +199,108 @@ def _prune(folder: Path, top: Path) -> None:
         except OSError:
             return
         here = here.parent
+
+
+# --- what install fetches first ----------------------------------------------------------------
+
+
+def missing_images(config: Config) -> list[tuple[str, str, list[str]]]:
+    """The container images the runtimes name that their engine does not have:
+    (engine, image, runtimes). An engine that is not installed is left to doctor and to pull."""
+    from appliance import run
+    from appliance.config import Launcher
+
+    wanted: dict[tuple[str, str], list[str]] = {}
+    for rt in sorted(config.runtimes.values(), key=lambda r: r.name):
+        if rt.launcher is not Launcher.NATIVE and rt.image:
+            engine = config.docker if rt.launcher is Launcher.DOCKER else config.podman
+            wanted.setdefault((engine, rt.image), []).append(rt.name)
+    out = []
+    for (engine, image), names in wanted.items():
+        have = run.ask([engine, "image", "inspect", "--format", "{{.Id}}", image], 30)
+        if have is None or have.returncode != 0:
+            out.append((engine, image, names))
+    return out
+
+
+def pull_image(engine: str, image: str, quiet: bool) -> None:
+    """`ENGINE pull IMAGE`: on a terminal its own progress is drawn on stderr, elsewhere its
+    lines go there; a failure is the appliance's error with the engine's last words."""
+    import subprocess
+
+    tty = sys.stderr.isatty() and not quiet
+    if not quiet:
+        output.log(f"pulling {image} with {Path(engine).name}")
+    try:
+        proc = subprocess.Popen(
+            [engine, "pull", image],
+            stdin=subprocess.DEVNULL,
+            stdout=None if tty else subprocess.PIPE,
+            stderr=None if tty else subprocess.STDOUT,
+            text=True,
+        )
+    except OSError as e:
+        raise ApplianceError(
+            f"cannot run {engine} to pull {image}: {e.strerror or e}",
+            hint=f"install {Path(engine).name}, or name it at the top of the config",
+            code="image_pull_failed",
+        ) from None
+    last: list[str] = []
+    if proc.stdout is not None:
+        for line in proc.stdout:
+            last = [*last, line.rstrip()][-3:]
+            if not quiet:
+                output.log(line.rstrip())
+    if proc.wait() != 0:
+        said = "; ".join(x for x in last if x) or f"exit status {proc.returncode}"
+        raise ApplianceError(
+            f"{Path(engine).name} pull {image} failed: {said}",
+            hint="check the image's name and tag and that its registry is reachable "
+            f"(`{Path(engine).name} login` for a private one); `install --no-pull` installs "
+            "without it",
+            code="image_pull_failed",
+        )
+
+
+def ready(ctx: Context, doctor_on: bool, pull_on: bool) -> Config:
+    """What `install` does before it writes anything: doctor's checks, then the hub models and
+    container images that are missing fetched, then the checks again. A failure stops it, each
+    failed check with its fix; a failure that a fetch mends waits for the fetch. The config is
+    read again after a pull: a quantization pulled names its file."""
+    from appliance.host import doctor as doctor_mod
+    from appliance.host.gpu import sysroot
+    from appliance.measure import recipe
+
+    config = ctx.config()
+    root = sysroot()
+
+    def stop_on(failed_ones: list[Any], every: list[Any]) -> None:
+        if not failed_ones:
+            return
+        if not ctx.json:
+            output.log(output.render_checks([vars(c) for c in failed_ones]))
+        raise ApplianceError(
+            f"doctor: {len(failed_ones)} of {len(every)} checks failed: "
+            + ", ".join(dict.fromkeys(c.name for c in failed_ones))
+            + "; nothing was installed",
+            hint="each FAIL line says how to fix it; then `sudo b70ctl install` again "
+            "(`--no-doctor` installs without the checks)",
+            code="doctor_failed",
+            details={"checks": [vars(c) for c in every]},
+        )
+
+    if doctor_on:
+        found = doctor_mod.doctor(config, root) + recipe.doctor_checks(config, root)
+        stop_on([c for c in found if not c.ok and not (pull_on and c.fetch)], found)
+    if pull_on:
+        models = [rt for rt in _hub_runtimes(config, ())
+                  if rt.hub is not None and not rt.hub.is_pulled(config.models_dir)]  # fmt: skip
+        if models:
+            fetch(config, models, ctx.json)
+        for engine, image, _ in missing_images(config):
+            pull_image(engine, image, ctx.json)
+        config = ctx.config()
+    if doctor_on:
+        found = doctor_mod.doctor(config, root) + recipe.doctor_checks(config, root)
+        stop_on([c for c in found if not c.ok], found)
+    return config

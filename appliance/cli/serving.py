@@ -57,22 +57,41 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
     show_default=True,
     help="Start the proxy and, if none runs, the default runtime.",
 )
+@click.option(
+    "--doctor/--no-doctor",
+    default=None,
+    help="Run doctor's checks first and stop on a failure "
+    "(default: on for the system manager, off with --user).",
+)
+@click.option(
+    "--pull/--no-pull",
+    default=True,
+    show_default=True,
+    help="Fetch the hub models (hf:) and container images that are missing first.",
+)
 @with_json
-def install(ctx: Context, now: bool) -> None:
+def install(ctx: Context, now: bool, doctor: bool | None, pull: bool) -> None:
     """Install the rendered units, then daemon-reload and enable them.
 
-    Verifies the units with systemd-analyze first and writes nothing if that fails. Creates the
-    proxy's master key file (mode 0600) if it does not exist yet.
+    First, on the system manager, doctor's checks: a failure stops it before anything is
+    written, with the fix. The models named on the hub and the container images that are
+    missing are fetched, with progress on stderr. Verifies the units with systemd-analyze and
+    writes nothing if that fails. Creates the proxy's master key file (mode 0600) if it does
+    not exist yet.
 
     \b
     Example:
       sudo b70ctl install
       b70ctl --user --config examples/demo.toml install
     """
+    from appliance.cli.models import ready
     from appliance.deploy import install as install_mod
+    from appliance.layout import Scope
 
     ctx.require_root("install")
-    result = install_mod.install(ctx.config(), ctx.scope, now, output.progress)
+    doctor_on = ctx.scope is Scope.SYSTEM if doctor is None else doctor
+    config = ready(ctx, doctor_on, pull)
+    result = install_mod.install(config, ctx.scope, now, output.progress)
     doc = dataclasses.asdict(result)
     output.show(ctx.json, doc, lambda: output.render_install(doc))
 

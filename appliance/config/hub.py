@@ -14,6 +14,7 @@ of one repository share its folder). `b70ctl models pull` fetches them (applianc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -30,6 +31,9 @@ _SPEC = re.compile(
     r"(?:(?P<file>(?:/[A-Za-z0-9._+-]+)+\.gguf)|:(?P<quant>[A-Za-z0-9._-]{1,40}))?"
     r"(?:@(?P<revision>[A-Za-z0-9._/-]{1,100}))?"
 )
+PROJECTOR_HINT = (
+    f'write mmproj = "{PREFIX}OWNER/REPO/FILE.gguf" with the model\'s OWNER/REPO, or a path to it'
+)
 SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 
 
@@ -40,6 +44,8 @@ class HubModel:
     file: str | None = None  # one GGUF file's path in the repository
     quant: str | None = None  # GGUF files whose names hold this
     revision: str = "main"
+    # Files of the repository pulled with it (llama.cpp's vision projector, `mmproj = "hf:..."`)
+    extra: tuple[str, ...] = ()
 
     @property
     def repo_id(self) -> str:
@@ -51,7 +57,10 @@ class HubModel:
         return f"{PREFIX}{self.repo_id}{tail}{at}"
 
     def wants(self, path: str) -> bool:
-        """Whether a file of the repository is part of this model."""
+        """Whether a file of the repository is pulled with this model."""
+        return path in self.extra or self._weights(path)
+
+    def _weights(self, path: str) -> bool:
         if self.file is not None:
             return path == self.file or _same_split(path, self.file)
         if self.quant is not None:
@@ -67,7 +76,8 @@ class HubModel:
         return Path(models_dir) / self.owner / self.repo
 
     def is_pulled(self, models_dir: str | Path) -> bool:
-        return bool(pulled_files(self.folder(models_dir), self))
+        files = pulled_files(self.folder(models_dir), self)
+        return bool(files) and all(path in files for path in self.extra)
 
     def local_path(self, models_dir: str | Path) -> Path:
         """What the runtime is given: the folder (a whole repository), or its GGUF file (the
@@ -77,7 +87,7 @@ class HubModel:
             return folder / _first_part(self.file)
         if self.quant is not None:
             mine = pulled_files(folder, self)
-            firsts = sorted(p for p in mine if self.wants(p) and _first_part(p) == p)
+            firsts = sorted(p for p in mine if self._weights(p) and _first_part(p) == p)
             return folder / (firsts[0] if firsts else f"{self.quant}.gguf")
         return folder
 
@@ -103,6 +113,24 @@ def parse(text: str) -> HubModel | str:
         found["owner"], found["repo"], file[1:] if file else None, found["quant"],
         found["revision"] or "main",
     )  # fmt: skip
+
+
+def with_projector(
+    model: HubModel | None, value: str, models_dir: str
+) -> tuple[HubModel, str] | str:
+    """`mmproj = "hf:OWNER/REPO/FILE.gguf"`: a file of the model's own repository, pulled with it.
+    The model with it and the projector's path, or what is wrong."""
+    found = parse(value)
+    if isinstance(found, str):
+        return found
+    if (
+        found.file is None
+        or model is None
+        or (model.repo_id, model.revision) != (found.repo_id, found.revision)
+    ):
+        return f"{value} must name one .gguf file of the model's own hub repository"
+    model = dataclasses.replace(model, extra=(*model.extra, found.file))
+    return model, str(model.folder(models_dir) / found.file)
 
 
 def pulled(folder: Path) -> dict[str, list[dict[str, object]]]:

@@ -360,6 +360,11 @@ class _Reader(CardKeys, ServingKeys):
         model = os.path.expanduser(self.get(t, "model", p, str, None, check_word))
         source = self.hub_model(model, p) if model.startswith(hub.PREFIX) else None
         volumes = self.paths(t, "volumes", p, "/srv/models:/models:ro")
+        if mmproj and mmproj.startswith(hub.PREFIX):
+            found = hub.with_projector(source, mmproj, self.models_dir)
+            if isinstance(found, str):
+                raise self.fail(p + "mmproj", found, hub.PROJECTOR_HINT)
+            source, mmproj = found
         if source is not None:
             model = str(source.local_path(self.models_dir))
             if launcher is not Launcher.NATIVE:  # the same path inside the container, read-only

@@ -23,16 +23,20 @@ from appliance.errors import ApplianceError
 from appliance.host import gpu
 from appliance.host.gpu.fit import gib
 
+# The images, pinned by tag (docs/images.md says how to move one). The community vLLM image is the
+# one the recipe was measured in; llama.cpp's own SYCL server image is the one a B70 owner's
+# home lab serves from (Aviator-Coding/home-ops, docs/ai/b70-llm-serving-tuning.md, 2026-09-07).
 VLLM_IMAGE = "ghcr.io/riceharvest/b70-vllm:v0.31.0-b70.3"
-VLLM_MODEL = "palmfuture/Qwen3.6-35B-A3B-GPTQ-Int4"
-GGUF = "/srv/b70/models/Qwen3.6-35B-A3B-Q4_K_M.gguf"
-MMPROJ = "/srv/b70/models/mmproj-Qwen3.6-35B-A3B-F16.gguf"
+LLAMACPP_IMAGE = "ghcr.io/ggml-org/llama.cpp:server-intel-b10820"
+VLLM_OFFICIAL = "vllm/vllm-openai-xpu:v0.28.0"  # vLLM's own, published from v0.26.0
+VLLM_MODEL = "hf:palmfuture/Qwen3.6-35B-A3B-GPTQ-Int4"
+GGUF = "hf:ggml-org/Qwen3.6-35B-A3B-GGUF/Qwen3.6-35B-A3B-Q4_K_M.gguf"
+MMPROJ = "hf:ggml-org/Qwen3.6-35B-A3B-GGUF/mmproj-Qwen3.6-35B-A3B-Q8_0.gguf"
 
 VLLM_ONE: dict[str, Any] = {
     "engine": "vllm", "launcher": "docker", "image": VLLM_IMAGE, "model": VLLM_MODEL,
-    "devices": ["/dev/dri"], "shm_size": "8g",
-    "volumes": ["/srv/b70/huggingface:/root/.cache/huggingface"],
-    "start_timeout_s": 900, "stop_timeout_s": 60, "memory_needed_gib": 26.3,
+    "devices": ["/dev/dri"], "shm_size": "8g", "start_timeout_s": 900, "stop_timeout_s": 60,
+    "memory_needed_gib": 26.3,
     "args": [
         "--quantization", "gptq", "--dtype", "float16", "--kv-cache-dtype", "fp8",
         "--max-model-len", "16384", "--gpu-memory-utilization", "0.82", "--max-num-seqs", "64",
@@ -50,8 +54,7 @@ VLLM_ENV = {
 }
 VLLM_TP: dict[str, Any] = {
     "engine": "vllm", "launcher": "docker", "image": VLLM_IMAGE, "model": VLLM_MODEL,
-    "shm_size": "16g", "volumes": ["/srv/b70/huggingface:/root/.cache/huggingface"],
-    "start_timeout_s": 1200, "stop_timeout_s": 60, "memory_needed_gib": 24,
+    "shm_size": "16g", "start_timeout_s": 1200, "stop_timeout_s": 60, "memory_needed_gib": 24,
     "args": [
         "--quantization", "gptq", "--dtype", "float16", "--kv-cache-dtype", "fp8",
         "--max-model-len", "32768", "--gpu-memory-utilization", "0.82", "--max-num-seqs", "128",
@@ -59,12 +62,22 @@ VLLM_TP: dict[str, Any] = {
     ],
 }  # fmt: skip
 LLAMACPP: dict[str, Any] = {
-    "engine": "llamacpp", "launcher": "native", "user": "b70",
-    "command": ["/opt/llama.cpp/bin/llama-server"], "model": GGUF, "mmproj": MMPROJ,
+    "engine": "llamacpp", "launcher": "docker", "image": LLAMACPP_IMAGE,
+    "model": GGUF, "mmproj": MMPROJ, "devices": ["/dev/dri"],
     "start_timeout_s": 600, "memory_needed_gib": 22,
     "args": ["-ngl", "99", "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0", "-c", "131072",
              "--parallel", "1"],
 }  # fmt: skip
+
+
+LLAMACPP_WHERE = (
+    "In llama.cpp's own SYCL server image; for a llama-server you built, write "
+    'launcher = "native" and command = ["/path/to/llama-server"] in place of image and devices.'
+)
+VLLM_WHERE = (
+    "In the community B70 image it was measured in; vLLM's official XPU image "
+    f"({VLLM_OFFICIAL}) runs it too, without that image's B70_* kernels."
+)
 
 
 @dataclass(frozen=True)
@@ -92,6 +105,14 @@ def cards(snap: gpu.Snapshot) -> list[Card]:
             code="no_cards",
         )
     return out
+
+
+def _on(recipe: dict[str, Any], cards: list[int] | None) -> dict[str, Any]:
+    """A recipe on these cards: the appliance passes a container its cards' nodes, not all of
+    /dev/dri."""
+    if cards is None:
+        return dict(recipe)
+    return {**{k: v for k, v in recipe.items() if k != "devices"}, "cards": cards}
 
 
 def _fits(card: Card, recipe: dict[str, Any]) -> bool:
@@ -137,7 +158,8 @@ def write(snap: gpu.Snapshot, b70ctl: str) -> str:
     lines = [
         "# Written by `b70ctl setup` from the cards found here (as `b70ctl gpu` reads them):",
         f"# {listed}.",
-        "# The recipes are examples/b70.toml's; edit this file, then `b70ctl install`.",
+        "# The recipes are examples/b70.toml's; edit this file, then `b70ctl install`, which",
+        "# pulls the models and images that are missing first.",
         "",
     ]
     one = [c for c in found if _fits(c, VLLM_ONE)]
@@ -153,16 +175,16 @@ def write(snap: gpu.Snapshot, b70ctl: str) -> str:
             "the model's attention heads divide. examples/b70-4cards.toml's recipe: a starting "
             "point, not a measured one."
         )
-        runtimes.append(("vllm", why, {**VLLM_TP, "cards": chosen}, None))
+        runtimes.append(("vllm", why, _on(VLLM_TP, chosen), None))
     elif one:
         card = found.index(one[0])
         why = _comment(
             f"vLLM on card {card}: it needs {VLLM_ONE['memory_needed_gib']} GiB "
             f"(--gpu-memory-utilization 0.82 of 32 GiB) and the card has "
             f"{gib(one[0].total_bytes)}. fp16 GDN state: 1420-1510 tok/s generation at 64 users "
-            "measured on one B70."
+            "measured on one B70. " + VLLM_WHERE
         )
-        table = {**VLLM_ONE, **({"cards": [card]} if len(found) > 1 else {})}
+        table = _on(VLLM_ONE, [card] if len(found) > 1 else None)
         runtimes.append(("vllm", why, table, VLLM_ENV))
     if llama:
         places = [found.index(c) for c in llama]
@@ -171,18 +193,19 @@ def write(snap: gpu.Snapshot, b70ctl: str) -> str:
                 f"llama.cpp (SYCL), a replica on each of cards {', '.join(map(str, places))} "
                 "(per_card), the proxy spreading requests over them, under a name of its own "
                 f"(they take turns with vLLM on those cards); each needs "
-                f"{LLAMACPP['memory_needed_gib']} GiB. `b70ctl switch llamacpp` starts them all."
+                f"{LLAMACPP['memory_needed_gib']} GiB. `b70ctl switch llamacpp` starts them all. "
+                + LLAMACPP_WHERE
             )
-            table = {**LLAMACPP, "cards": places, "per_card": True,
+            table = {**_on(LLAMACPP, places), "per_card": True,
                      "served_model_name": "qwen3.6-35b-a3b-gguf", "port": 8002}  # fmt: skip
         else:
             why = _comment(
                 f"llama.cpp (SYCL) on card {places[0]}: Qwen3.6-35B-A3B Q4_K_M, 131072 context, "
                 "one slot, with the vision projector; it needs "
                 f"{LLAMACPP['memory_needed_gib']} GiB. 69.7-75.7 tok/s single stream measured on "
-                "one B70."
+                "one B70. " + LLAMACPP_WHERE
             )
-            table = {**LLAMACPP, **({"cards": places} if len(found) > 1 else {})}
+            table = _on(LLAMACPP, places if len(found) > 1 else None)
         runtimes.append(("llamacpp", why, table, None))
     if not runtimes:
         least = min(LLAMACPP["memory_needed_gib"], VLLM_ONE["memory_needed_gib"])

@@ -41,6 +41,7 @@ class Check:
     ok: bool
     detail: str
     fix: str | None = None
+    fetch: str | None = None  # what `install` fetches to mend it: "image" or "model"
 
 
 def ask(argv: Sequence[str]) -> run.Completed | None:
@@ -111,13 +112,22 @@ def _driver(d: Device) -> Check:
     )
 
 
+def host_text(root: Path, rel: str) -> str | None:
+    """A host file read under the root; where a fixture tree (B70_SYSROOT) holds only the
+    kernel's sysfs and /dev, the machine's own file."""
+    text = read_text(root / rel)
+    if text is None and not (root / rel).exists() and root != Path("/"):
+        text = read_text(Path("/") / rel)
+    return text
+
+
 def kernel_version(text: str | None) -> tuple[int, int] | None:
     match = re.match(r"(\d+)\.(\d+)", text or "")
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _kernel(config: Config, root: Path) -> Check:
-    release = (read_text(root / "proc/sys/kernel/osrelease") or "").strip()
+    release = (host_text(root, "proc/sys/kernel/osrelease") or "").strip()
     version = kernel_version(release)
     multi = sorted(n for n, rt in config.runtimes.items() if len(rt.card_indices) > 1)
     if version is None:
@@ -151,7 +161,7 @@ def _compute_runtime(config: Config, root: Path) -> Check | None:
     """The host's compute runtime, which a native runtime uses (an image carries its own)."""
     if not any(rt.launcher is Launcher.NATIVE for rt in config.runtimes.values()):
         return None
-    installed = dpkg_versions(read_text(root / "var/lib/dpkg/status") or "")
+    installed = dpkg_versions(host_text(root, "var/lib/dpkg/status") or "")
     found = next(((p, installed[p]) for p in COMPUTE_PACKAGES if p in installed), None)
     if found is None:
         return None
@@ -170,7 +180,7 @@ def _compute_runtime(config: Config, root: Path) -> Check | None:
 
 
 def _render_group(config: Config, root: Path) -> Check:
-    groups = read_text(root / "etc/group") or ""
+    groups = host_text(root, "etc/group") or ""
     line = next((g for g in groups.splitlines() if g.startswith("render:")), None)
     if line is None:
         return Check(
@@ -181,7 +191,7 @@ def _render_group(config: Config, root: Path) -> Check:
         )
     members = [m for m in line.split(":")[3].split(",") if m] if line.count(":") >= 3 else []
     users = sorted({rt.user for rt in config.runtimes.values() if rt.user})
-    passwd = read_text(root / "etc/passwd") or ""
+    passwd = host_text(root, "etc/passwd") or ""
     existing = {p.split(":", 1)[0] for p in passwd.splitlines()}
     outside = [u for u in users if u in existing and u not in members]
     if outside:
@@ -209,7 +219,7 @@ def _by_path(cards: Sequence[placement.Card], root: Path) -> Check:
 
 
 def _perfmon(root: Path) -> Check:
-    if xe.has_perfmon(read_text(root / "proc/self/status") or ""):
+    if xe.has_perfmon(host_text(root, "proc/self/status") or ""):
         return Check("CAP_PERFMON", True, "b70ctl reads used VRAM from the xe driver")
     return Check(
         "CAP_PERFMON",
@@ -241,8 +251,8 @@ def _as_user(rt: RuntimeConfig, root: Path) -> Check:
     name = f"{rt.name}: as {rt.user}"
     who = access.parse_who(
         rt.user or "",
-        read_text(root / "etc/passwd") or "",
-        read_text(root / "etc/group") or "",
+        host_text(root, "etc/passwd") or "",
+        host_text(root, "etc/group") or "",
         ("render",),
     )
     files = model_files(rt)
@@ -315,7 +325,8 @@ def _container(config: Config, rt: RuntimeConfig, ask: Ask) -> list[Check]:
                 f"{rt.name}: image",
                 False,
                 f"{rt.image} is not present",
-                f"`{rt.launcher} pull {rt.image}` before the first switch",
+                f"`{rt.launcher} pull {rt.image}` (`b70ctl install` pulls it)",
+                fetch="image",
             )
         )
     else:
@@ -362,7 +373,8 @@ def _models(rt: RuntimeConfig, models_dir: str) -> list[Check]:
     name = f"{rt.name}: model"
     if rt.hub is not None and not rt.hub.is_pulled(models_dir):
         return [Check(name, False, f"{rt.hub} is not pulled yet",
-                      f"sudo b70ctl models pull {rt.name}")]  # fmt: skip
+                      f"sudo b70ctl models pull {rt.name}",
+                      fetch="model")]  # fmt: skip
     files = model_files(rt)
     if isinstance(files, str):
         return [Check(name, False, files, "download the model there, or fix runtimes.NAME.model")]
@@ -426,7 +438,7 @@ def _host_memory(config: Config, root: Path) -> list[Check]:
             wants[name] = parts
     if not wants:
         return []
-    meminfo = read_text(root / "proc/meminfo") or ""
+    meminfo = host_text(root, "proc/meminfo") or ""
     match = re.search(r"^MemTotal:\s+(\d+) kB", meminfo, re.M)
     if not match:
         return [Check("host memory", False, "cannot read MemTotal from /proc/meminfo", None)]
