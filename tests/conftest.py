@@ -278,12 +278,17 @@ class Appliance:
 
 @contextlib.contextmanager
 def installed(
-    manager: Manager, config: Path, proxy_port: int, backend_port: int, stop: tuple[str, ...] = ()
+    manager: Manager,
+    config: Path,
+    proxy_port: int,
+    backend_port: int,
+    stop: tuple[str, ...] = (),
+    args: tuple[str, ...] = (),
 ) -> Iterator[Appliance]:
     """The appliance of `config` installed under `manager`, and uninstalled (purged) when the
-    block ends, however it ends. `stop`: units to stop once it is installed."""
+    block ends, however it ends. `stop`: units to stop once it is installed; `args`: install's."""
     app = Appliance(manager, config, proxy_port, backend_port)
-    app.b70ctl("install", check=True)
+    app.b70ctl("install", *args, check=True)
     try:
         for unit in stop:
             manager.systemctl("stop", unit)

@@ -95,7 +95,8 @@ model = "org/model"
         (dropin / "standin.conf").write_text(f"[Service]\nBindPaths={root}\n")
         cfg = root / "appliance.toml"
         cfg.write_text(text)
-        with installed(manager, cfg, proxy_port, backend_port) as app:
+        # --no-pull: the image nobody pulled stays missing, for the switch that refuses it.
+        with installed(manager, cfg, proxy_port, backend_port, args=("--no-pull",)) as app:
             yield app, record
 
 

@@ -7,15 +7,12 @@ server's doing."""
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import subprocess
 import sys
 import threading
-import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,115 +21,10 @@ import pytest
 from appliance.config import hub as spec
 from appliance.config import parse
 from appliance.errors import ConfigError
+from b70tools.hubdir import Hub, serve
 from tests.configs import GOOD
 
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
-GGUF_LFS = (".gguf", ".safetensors")
-
-
-def git_oid(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-@dataclass
-class Hub:
-    root: Path  # OWNER/REPO/FILES
-    port: int = 0
-    cut_after: int | None = None  # the next download ends after this many bytes
-    corrupt: set[str] = field(default_factory=set)  # files served with a byte changed
-    gated: set[str] = field(default_factory=set)  # repositories that need the token
-    token: str = "hf_test"
-    page: int = 2  # entries per page of the listing
-    ranges: list[str] = field(default_factory=list)  # the Range headers seen
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def listing(self, repo: str) -> list[dict[str, Any]]:
-        base = self.root / repo
-        out: list[dict[str, Any]] = []
-        for path in sorted(base.rglob("*")):
-            rel = path.relative_to(base).as_posix()
-            if path.is_dir():
-                out.append({"type": "directory", "path": rel, "oid": "0" * 40, "size": 0})
-                continue
-            data = path.read_bytes()
-            entry: dict[str, Any] = {"type": "file", "path": rel, "size": len(data),
-                                     "oid": git_oid(data)}  # fmt: skip
-            if rel.endswith(GGUF_LFS):
-                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                "pointerSize": 134}  # fmt: skip
-            out.append(entry)
-        return out
-
-
-def _handler(hub: Hub) -> type[http.server.BaseHTTPRequestHandler]:
-    class Handler(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-        def _json(self, code: int, doc: Any, headers: dict[str, str] | None = None) -> None:
-            body = json.dumps(doc).encode()
-            self.send_response(code)
-            for k, v in (headers or {}).items():
-                self.send_header(k, v)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_GET(self) -> None:
-            url = urllib.parse.urlsplit(self.path)
-            parts = url.path.strip("/").split("/")
-            if parts[:2] == ["api", "models"] and parts[4:6] == ["tree", "main"]:
-                repo = "/".join(parts[2:4])
-                if repo in hub.gated and self.headers.get("Authorization") != f"Bearer {hub.token}":
-                    return self._json(401, {"error": "gated"})
-                if not (hub.root / repo).is_dir():
-                    return self._json(404, {"error": "Repository not found"})
-                entries = hub.listing(repo)
-                start = int(urllib.parse.parse_qs(url.query).get("cursor", ["0"])[0])
-                page = entries[start : start + hub.page]
-                headers = {}
-                if start + hub.page < len(entries):
-                    nxt = f"{hub.url}{url.path}?recursive=true&cursor={start + hub.page}"
-                    headers["Link"] = f'<{nxt}>; rel="next"'
-                return self._json(200, page, headers)
-            if len(parts) > 4 and parts[2:4] == ["resolve", "main"]:  # to the "CDN"
-                self.send_response(302)
-                self.send_header("Location", "/cdn/" + "/".join(parts[:2] + parts[4:]))
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-                return None
-            if parts[0] == "cdn":
-                return self._file(hub.root.joinpath(*[urllib.parse.unquote(p) for p in parts[1:]]))
-            return self._json(404, {"error": "no such route"})
-
-        def _file(self, path: Path) -> None:
-            data = bytearray(path.read_bytes())
-            if path.name in hub.corrupt:
-                data[-1] ^= 0xFF
-            start = 0
-            if (given := self.headers.get("Range")) is not None:
-                hub.ranges.append(given)
-                start = int(given.split("=")[1].split("-")[0])
-            body = bytes(data[start:])
-            self.send_response(206 if start else 200)
-            self.send_header("Content-Length", str(len(body)))
-            if start:
-                self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
-            self.end_headers()
-            if hub.cut_after is not None:
-                self.wfile.write(body[: hub.cut_after])
-                hub.cut_after = None
-                self.close_connection = True
-                return
-            self.wfile.write(body)
-
-    return Handler
 
 
 @pytest.fixture
@@ -154,8 +46,7 @@ def hub(tmp_path: Path) -> Iterator[Hub]:
     (hf / "sub" / "tokenizer.json").write_text("{}\n")
     (hf / "model.safetensors").write_bytes(os.urandom(400_000))
     state = Hub(root)
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
-    state.port = server.server_address[1]
+    server = serve(state)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

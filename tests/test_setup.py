@@ -18,8 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 B70CTL = str(Path(sys.executable).parent / "b70ctl")
 
 
-def b70ctl(root: Path, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def b70ctl(
+    root: Path, config: Path, *args: str, path: str = "/nonexistent"
+) -> subprocess.CompletedProcess[str]:
+    """`b70ctl setup`; `path`: the PATH it looks for docker and podman on (by default, neither)."""
     env = {k: v for k, v in os.environ.items() if k not in ("B70_CONFIG", "B70_SYSROOT")}
+    env["PATH"] = path
     out = subprocess.run([B70CTL, "--user", "--config", str(config), "setup", "--root", str(root),
                           *args], env=env, capture_output=True, text=True, timeout=60,
                          check=False)  # fmt: skip
@@ -120,3 +124,24 @@ def test_no_cards_and_cards_too_small_are_named_and_nothing_is_written(tmp_path:
     assert only_llama.returncode == 0, only_llama.stderr
     assert list(_runtimes(only_llama.stdout)) == ["llamacpp"]
     assert tomllib.loads(only_llama.stdout)["default_runtime"] == "llamacpp"
+
+
+def test_the_images_run_under_the_engine_installed(tmp_path: Path) -> None:
+    root = gpu_trees.healthy_host(tmp_path / "root", [gpu_trees.B70])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    podman = bin_dir / "podman"
+    podman.write_text("#!/bin/sh\n")
+    podman.chmod(0o755)
+    out = b70ctl(root, tmp_path / "a.toml", "--dry-run", path=str(bin_dir))
+    assert out.returncode == 0, out.stderr
+    written = tomllib.loads(out.stdout)
+    assert {rt["launcher"] for rt in written["runtimes"].values()} == {"podman"}
+    assert written["podman"] == str(podman)  # not where the config looks by default
+    assert "# The images run under podman: it is installed here and docker is not." in out.stdout
+    docker = bin_dir / "docker"
+    docker.write_text("#!/bin/sh\n")
+    docker.chmod(0o755)
+    both = tomllib.loads(b70ctl(root, tmp_path / "a.toml", "--dry-run", path=str(bin_dir)).stdout)
+    assert {rt["launcher"] for rt in both["runtimes"].values()} == {"docker"}
+    assert both["docker"] == str(docker) and "podman" not in both

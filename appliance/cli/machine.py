@@ -98,7 +98,7 @@ def setup(ctx: Context, dry_run: bool, force: bool, root: Path | None) -> None:
 
     target = ctx.config_path or config_mod.default_config_path(ctx.scope)
     snap = gpu_mod.snapshot(gpu_root(root))
-    text = setup_mod.write(snap, config_mod.default_b70ctl())
+    text = setup_mod.write(snap, config_mod.default_b70ctl(), setup_mod.engine_found())
     left_out = list(setup_mod.skipped(snap))
     doc: dict[str, object] = {"path": str(target), "text": text, "written": False, "kept": None,
                               "left_out": left_out}  # fmt: skip

@@ -217,7 +217,7 @@ def missing_images(config: Config) -> list[tuple[str, str, list[str]]]:
             wanted.setdefault((engine, rt.image), []).append(rt.name)
     out = []
     for (engine, image), names in wanted.items():
-        have = run.ask([engine, "image", "inspect", "--format", "{{.Id}}", image], 30)
+        have = run.ask([engine, "image", "inspect", image], 30)  # as the switch's preflight asks
         if have is None or have.returncode != 0:
             out.append((engine, image, names))
     return out
@@ -252,7 +252,8 @@ def pull_image(engine: str, image: str, quiet: bool) -> None:
             if not quiet:
                 output.log(line.rstrip())
     if proc.wait() != 0:
-        said = "; ".join(x for x in last if x) or f"exit status {proc.returncode}"
+        errors = [x for x in last if x.lower().startswith("error")]
+        said = (errors or [x for x in last if x] or [f"exit status {proc.returncode}"])[-1]
         raise ApplianceError(
             f"{Path(engine).name} pull {image} failed: {said}",
             hint="check the image's name and tag and that its registry is reachable "

@@ -11,6 +11,7 @@ checked as `install` checks a config before it is written.
 from __future__ import annotations
 
 import json
+import shutil
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -151,8 +152,22 @@ def _comment(text: str) -> list[str]:
     return ["# " + line for line in textwrap.wrap(text, 98)]
 
 
-def write(snap: gpu.Snapshot, b70ctl: str) -> str:
-    """The config for these cards, with a comment per choice."""
+def engine_found() -> tuple[str, str | None]:
+    """The container engine the runtimes run under: docker where it is installed, else podman
+    where that is, else docker (doctor and install say to install it); and its path, where it
+    is not where the config looks by default."""
+    for name in ("docker", "podman"):
+        path = shutil.which(name)
+        if path is not None:
+            return name, None if path == f"/usr/bin/{name}" else path
+    return "docker", None
+
+
+def write(
+    snap: gpu.Snapshot, b70ctl: str, engine: tuple[str, str | None] = ("docker", None)
+) -> str:
+    """The config for these cards, with a comment per choice; the runtimes' images under
+    `engine` (engine_found's)."""
     found = cards(snap)
     listed = ", ".join(f"{c.slot} ({c.name}, {gib(c.total_bytes)})" for c in found)
     lines = [
@@ -220,6 +235,11 @@ def write(snap: gpu.Snapshot, b70ctl: str) -> str:
         f"# {default} serves after install; `b70ctl switch NAME` changes it.",
         f'default_runtime = "{default}"',
         f"b70ctl = {_value(b70ctl)}",
+        *(
+            [f"# {engine[0]} is where this machine has it", f"{engine[0]} = {_value(engine[1])}"]
+            if engine[1]
+            else []
+        ),
         "",
         "# Other machines reach :8000 over TLS (a self-signed certificate made at install;",
         "# `b70ctl status` shows its fingerprint). Loopback stays plain HTTP.",
@@ -239,7 +259,14 @@ def write(snap: gpu.Snapshot, b70ctl: str) -> str:
         _gpu_line(snap, found),
         "release_timeout_s = 120",
     ]
+    if engine[0] != "docker":
+        lines += [
+            "",
+            f"# The images run under {engine[0]}: it is installed here and docker is not.",
+        ]
     for name, why, table, env in runtimes:
+        if table.get("launcher") == "docker":
+            table = {**table, "launcher": engine[0]}
         lines += ["", *why, *_table(f"runtimes.{name}", table)]
         if env:
             lines += ["", *_table(f"runtimes.{name}.env", env)]
