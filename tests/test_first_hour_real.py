@@ -203,8 +203,11 @@ def prepare(box: boxkit.Box, cards: list[str]) -> None:
 
 def readme(box: boxkit.Box, command: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
     """One of the README's commands, as written, as root in the box."""
+    started = time.monotonic()
     out = box.run(command, check=False, timeout=timeout)
-    print(f"\n$ {command}  (exit {out.returncode})\n{out.stdout[-4000:]}{out.stderr[-4000:]}")
+    took = time.monotonic() - started
+    print(f"\n$ {command}  (exit {out.returncode} in {took:.1f} s)\n{out.stdout[-4000:]}"
+          f"{out.stderr[-4000:]}")  # fmt: skip
     if out.returncode != 0:  # what the units said, for whoever reads a failure
         journal = box.run("journalctl --no-pager -o cat -n 60 -u 'b70-*'", check=False)
         print(f"the units' journal:\n{journal.stdout}")
@@ -264,11 +267,8 @@ def test_three_commands_on_one_b70_end_serving(box_of: BoxOf) -> None:
         assert f"podman pull {setup_mod.LLAMACPP_IMAGE} failed" in missing.stderr
         assert not box.exists("/etc/systemd/system/b70-litellm.service")  # nothing installed
         box.run("podman load --quiet -i /mnt/images.tar", timeout=600)
-        started = time.monotonic()
         installed = readme(box, "sudo b70ctl install")
-        took = time.monotonic() - started
         assert installed.returncode == 0
-        print(f"install: {took:.1f} s")
         assert "to fetch" not in installed.stderr  # pulled once
         assert serving(box) == ["vllm"]
         assert chat(box).strip()

@@ -304,6 +304,11 @@ def test_a_projector_named_on_the_hub_is_pulled_with_its_model(tmp_path: Path, h
         Path(loaded.mmproj).read_bytes()
         == (hub.root / "acme/tiny-GGUF/mmproj-tiny-Q4_K_M.gguf").read_bytes()
     )
+    gone = text.replace("mmproj-tiny-Q4_K_M.gguf", "mmproj-none.gguf")
+    (tmp_path / "gone.toml").write_text(gone)
+    out = b70ctl(tmp_path / "gone.toml", hub, "models", "pull")
+    assert out.returncode == 1
+    assert "acme/tiny-GGUF has no file mmproj-none.gguf (the runtime's mmproj)" in out.stderr
     other = text.replace("hf:acme/tiny-GGUF/mmproj", "hf:acme/tiny/mmproj")
     with pytest.raises(ConfigError, match=r"must name one \.gguf file of the model's own hub"):
         parse(other, config)

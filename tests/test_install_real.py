@@ -135,15 +135,16 @@ def test_a_runtime_taken_out_of_the_config_is_removed_and_a_foreign_unit_is_kept
 def test_a_runtime_whose_hub_model_is_not_pulled_is_not_started_and_says_what_to_pull(
     fresh: Appliance, tmp_path: Path
 ) -> None:
-    """The first install, and a switch, with `model = "hf:..."` not pulled yet: the runtime is not
-    started to fail for want of it, and both say which command fetches it."""
+    """An install that pulls nothing (`--no-pull`; install pulls first by default: tests/test_hub.py),
+    and a switch, with `model = "hf:..."` not pulled yet: the runtime is not started to fail for
+    want of it, and both say which command fetches it."""
     text = fresh.config.read_text()
     gguf = next(
         line for line in text.splitlines() if line.startswith("model = ") and "gguf" in line
     )
     text = text.replace(gguf, 'model = "hf:acme/tiny-GGUF:Q4_K_M"')
     fresh.config.write_text(text + f'\n[models]\ndir = "{tmp_path / "models"}"\n')
-    done = fresh.json("install")["result"]
+    done = fresh.json("install", "--no-pull")["result"]
     (note,) = [n for n in done["notes"] if "not started" in n]
     assert note.startswith(
         "b70-llamacpp.service not started: its model hf:acme/tiny-GGUF:Q4_K_M is not pulled yet"

@@ -235,7 +235,7 @@ def pull_image(engine: str, image: str, quiet: bool) -> None:
         proc = subprocess.Popen(
             [engine, "pull", image],
             stdin=subprocess.DEVNULL,
-            stdout=None if tty else subprocess.PIPE,
+            stdout=sys.stderr.fileno() if tty else subprocess.PIPE,  # its progress, on stderr
             stderr=None if tty else subprocess.STDOUT,
             text=True,
         )

@@ -117,6 +117,14 @@ def listing(model: HubModel, http: httpx.Client) -> list[HubFile]:
             hint="check HF_ENDPOINT", code="hub_error",
         ) from None  # fmt: skip
     wanted = [f for f in found if model.wants(f.path) and _safe(f.path)]
+    absent = [path for path in model.extra if path not in {f.path for f in found}]
+    if absent:
+        ggufs = sorted(f.path for f in found if f.path.endswith(".gguf"))[:8]
+        raise ApplianceError(
+            f"{model.repo_id} has no file {absent[0]} (the runtime's mmproj)",
+            hint=("its GGUF files: " + ", ".join(ggufs)) if ggufs else "check the name on the hub",
+            code="hub_no_match",
+        )
     if not wanted:
         ggufs = sorted(f.path for f in found if f.path.endswith(".gguf"))[:8]
         raise ApplianceError(
