@@ -43,7 +43,10 @@ SMALL_CROWD = 5
 GAP_S = 1.0
 HOLD_S = 1800
 RAMP_S = 300.0
-POLICIES = {"on": "", "keep1": "keep_free = 1"}
+POLICIES = {"on": "", "keep1": "keep_free = 1", "direct": ""}
+# `direct`: no door. The crowd goes straight to the runtime's port, as many as it runs at once
+# (all the door ever lets through), and light too: the floor the runtime itself sets.
+PLACES = {"demo": 2, "b70": 64}
 BATCH_BODY = {"model": "smollm2", "max_tokens": 8, "temperature": 0,
               "messages": [{"role": "user", "content": "Say hi."}]}  # fmt: skip
 LIGHT_BODY = {**BATCH_BODY, "stream": True}
@@ -153,11 +156,22 @@ def crowd_process(url: str, key: str, crowd: int, counts: Counts) -> None:
     asyncio.run(main())
 
 
+def has_text(line: str) -> bool:
+    """A chunk of a streamed chat completion (`data: {...}`) with text in it."""
+    try:
+        choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    except ValueError:
+        return False
+    return bool((choices[0].get("delta") or {}).get("content"))
+
+
 async def run_phase(
-    demo: Demo, keys: dict[str, str], crowd: int, seconds: float, log: Any
-) -> Phase:
+    demo: Demo, keys: dict[str, str], crowd: int, seconds: float, log: Any, direct: bool = False,
+    places: int = 2,
+) -> Phase:  # fmt: skip
     phase = Phase(crowd)
-    url = f"http://127.0.0.1:{demo.proxy_port}/v1/chat/completions"
+    port = demo.backend_port if direct else demo.proxy_port
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
     counts = Counts()
     crowd_proc = counts.ctx.Process(target=crowd_process, args=(url, keys["crowd"], crowd, counts))
     if crowd:
@@ -172,8 +186,7 @@ async def run_phase(
                 try:
                     async with http.stream("POST", url, json=LIGHT_BODY, headers=headers) as r:
                         async for line in r.aiter_lines():
-                            text = '"content":"' in line and '"content":""' not in line
-                            if first is None and line.startswith("data: {") and text:
+                            if first is None and line.startswith("data: {") and has_text(line):
                                 first = time.monotonic() - sent
                     ok = r.status_code == 200
                 except httpx.HTTPError as e:
@@ -183,10 +196,13 @@ async def run_phase(
                     phase.ttft_s.append(first)
                     phase.answered += 1
 
-            ramp_end = time.monotonic() + RAMP_S
-            while crowd and time.monotonic() < ramp_end:
-                if await asyncio.to_thread(waiting_at_the_door, demo) >= crowd - 4:
-                    break  # all but those running (and one more, alone)
+            ramp_end = time.monotonic() + (5.0 if direct else RAMP_S)
+            while crowd and direct and time.monotonic() < ramp_end:
+                await asyncio.sleep(1.0)  # the runtime full: nothing waits at the door
+            while crowd and not direct and time.monotonic() < ramp_end:
+                if await asyncio.to_thread(waiting_at_the_door, demo) >= crowd - places - 2:
+                    await asyncio.sleep(3.0)  # a crowd that all runs: once it has come
+                    break  # all but those running (and two more, alone)
                 await asyncio.sleep(1.0)
             log(f"  crowd of {crowd}: {await asyncio.to_thread(waiting_at_the_door, demo)} waiting")
             cpu0, t0 = await asyncio.to_thread(door_cpu_s, demo), time.monotonic()
@@ -261,12 +277,23 @@ def show(rows: list[dict[str, Any]]) -> str:
             f"  {r['refused']:>7}  {len(r['errors']):>6}"
         )
     lines.append("target: light p95 at most 2x its p95 alone; the door's CPU per request the same")
-    lines.append("policies: " + "; ".join(f"{k}: [proxy] {v or 'as shipped'}" for k, v in
-                                          POLICIES.items()))  # fmt: skip
+    lines.append(
+        "policies: "
+        + "; ".join(
+            f"{k}: [proxy] {v or 'as shipped'}" for k, v in POLICIES.items() if k != "direct"
+        )
+        + "; direct: no door, the crowd straight to the runtime, as many as it runs "
+        "at once"
+    )
     return "\n".join(lines)
 
 
-def crowd_main(crowd: int, seconds: float, policies: list[str], json_out: Path | None) -> None:
+def crowd_main(
+    crowd: int, seconds: float, policies: list[str], json_out: Path | None,
+    b70_scale: float | None = None,
+) -> None:  # fmt: skip
+    """Each policy's phases, on the demo's llama.cpp, or with `b70_scale` on the B70 stand-in's
+    vLLM (64 places, a B70's time per token; its start-up times scaled by it)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4 * crowd + 1024)), hard))
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -275,18 +302,31 @@ def crowd_main(crowd: int, seconds: float, policies: list[str], json_out: Path |
     def rewrite(text: str) -> str:
         return text.replace("hold_s = 120", f"hold_s = {HOLD_S}")
 
-    with demo_appliance(CACHE, prefix="b70-crowd.", rewrite=rewrite) as demo:
+    if b70_scale is None:
+        appliance = demo_appliance(CACHE, prefix="b70-crowd.", rewrite=rewrite)
+    else:
+        from b70tools.bench_fair import B70_MODEL, b70_standin
+
+        appliance = b70_standin(b70_scale)
+        for body in (BATCH_BODY, LIGHT_BODY):
+            body["model"] = B70_MODEL
+    with appliance as demo:
+        if b70_scale is not None:
+            b70ctl(demo, "switch", "vllm")  # --max-num-seqs 64: 64 places
         keys = {
             "crowd": b70ctl(demo, "keys", "add", "crowd", "--priority", "batch")["key"],
             "light": b70ctl(demo, "keys", "add", "light")["key"],
         }
         for policy in policies:
-            set_policy(demo, policy)
+            direct = policy == "direct"
+            set_policy(demo, "on" if direct else policy)
             log(f"{policy}: light alone")
-            alone = asyncio.run(run_phase(demo, keys, 0, seconds, log))
-            for size in (SMALL_CROWD, crowd):
+            places = PLACES["demo" if b70_scale is None else "b70"]
+            alone = asyncio.run(run_phase(demo, keys, 0, seconds, log, direct, places))
+            sizes = [min(SMALL_CROWD, places), places] if direct else [SMALL_CROWD, crowd]
+            for size in sizes:
                 log(f"{policy}: light beside a crowd of {size}")
-                phase = asyncio.run(run_phase(demo, keys, size, seconds, log))
+                phase = asyncio.run(run_phase(demo, keys, size, seconds, log, direct, places))
                 rows.append(figures(policy, alone, phase))
                 log(json.dumps({k: v for k, v in rows[-1].items() if k != "errors"}))
     print(show(rows))

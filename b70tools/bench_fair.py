@@ -298,7 +298,8 @@ def main() -> None:
         if any(p not in bench_crowd.POLICIES for p in chosen):
             named = ", ".join(bench_crowd.POLICIES)
             raise SystemExit(f"--policies with --crowd: a list of {named}")
-        bench_crowd.crowd_main(args.crowd, args.duration, chosen, args.json)
+        b70 = args.b70_scale if args.b70 else None
+        bench_crowd.crowd_main(args.crowd, args.duration, chosen, args.json, b70)
         return
     STREAMS, GAP_S = args.streams, args.gap
     chosen = args.policies.split(",")
