@@ -145,3 +145,18 @@ def test_the_images_run_under_the_engine_installed(tmp_path: Path) -> None:
     both = tomllib.loads(b70ctl(root, tmp_path / "a.toml", "--dry-run", path=str(bin_dir)).stdout)
     assert {rt["launcher"] for rt in both["runtimes"].values()} == {"docker"}
     assert both["docker"] == str(docker) and "podman" not in both
+
+
+def test_an_old_kernel_gets_no_tensor_parallelism_and_says_why(tmp_path: Path) -> None:
+    """Owners report multi-card collectives broken on kernels before 7.1: there, two B70s get
+    vLLM on one card (and a llama.cpp per card), so that doctor's kernel check passes."""
+    root = gpu_trees.healthy_host(tmp_path / "root", [gpu_trees.B70, gpu_trees.B70_2])
+    (root / "proc/sys/kernel/osrelease").write_text("6.8.0-45-generic\n")
+    out = b70ctl(root, tmp_path / "a.toml", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    runtimes = _runtimes(out.stdout)
+    assert runtimes["vllm"]["cards"] == [0]
+    assert runtimes["llamacpp"]["per_card"] and runtimes["llamacpp"]["cards"] == [0, 1]
+    assert "# No tensor parallelism: this kernel (6.8.0-45-generic) is older than 7.1" in out.stdout
+    said = " ".join(line.lstrip("# ") for line in out.stdout.splitlines() if line.startswith("#"))
+    assert "After booting 7.1 or later, `b70ctl setup --force` offers vLLM over 2 cards" in said

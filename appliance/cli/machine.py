@@ -82,8 +82,8 @@ def doctor(ctx: Context, root: Path | None) -> None:
 @with_json
 def setup(ctx: Context, dry_run: bool, force: bool, root: Path | None) -> None:
     """Write the config from the cards found here: examples/b70.toml's recipes where they fit,
-    tensor parallelism for vLLM and a llama.cpp per card on two or more B70s, with a comment
-    per choice. Then `b70ctl install`.
+    tensor parallelism for vLLM (on a kernel 7.1 or later) and a llama.cpp per card on two or
+    more B70s, with a comment per choice. Then `b70ctl install`.
 
     \b
     Example:
@@ -98,7 +98,12 @@ def setup(ctx: Context, dry_run: bool, force: bool, root: Path | None) -> None:
 
     target = ctx.config_path or config_mod.default_config_path(ctx.scope)
     snap = gpu_mod.snapshot(gpu_root(root))
-    text = setup_mod.write(snap, config_mod.default_b70ctl(), setup_mod.engine_found())
+    text = setup_mod.write(
+        snap,
+        config_mod.default_b70ctl(),
+        setup_mod.engine_found(),
+        setup_mod.kernel_found(gpu_root(root)),
+    )
     left_out = list(setup_mod.skipped(snap))
     doc: dict[str, object] = {"path": str(target), "text": text, "written": False, "kept": None,
                               "left_out": left_out}  # fmt: skip

@@ -22,6 +22,7 @@ from appliance import GIB
 from appliance.config import parse
 from appliance.errors import ApplianceError
 from appliance.host import gpu
+from appliance.host.doctor import COLLECTIVES_KERNEL, kernel_version
 from appliance.host.gpu.fit import gib
 
 # The images, pinned by tag (docs/images.md says how to move one). The community vLLM image is the
@@ -152,6 +153,13 @@ def _comment(text: str) -> list[str]:
     return ["# " + line for line in textwrap.wrap(text, 98)]
 
 
+def kernel_found(root: Path) -> str:
+    """The kernel's release, as doctor reads it (under a fixture root, else this machine's)."""
+    from appliance.host.doctor import host_text
+
+    return (host_text(root, "proc/sys/kernel/osrelease") or "").strip()
+
+
 def engine_found() -> tuple[str, str | None]:
     """The container engine the runtimes run under: docker where it is installed, else podman
     where that is, else docker (doctor and install say to install it); and its path, where it
@@ -164,10 +172,14 @@ def engine_found() -> tuple[str, str | None]:
 
 
 def write(
-    snap: gpu.Snapshot, b70ctl: str, engine: tuple[str, str | None] = ("docker", None)
+    snap: gpu.Snapshot,
+    b70ctl: str,
+    engine: tuple[str, str | None] = ("docker", None),
+    kernel: str = "7.1",
 ) -> str:
     """The config for these cards, with a comment per choice; the runtimes' images under
-    `engine` (engine_found's)."""
+    `engine` (engine_found's); tensor parallelism only on a `kernel` whose multi-card
+    collectives work (doctor's kernel check)."""
     found = cards(snap)
     listed = ", ".join(f"{c.slot} ({c.name}, {gib(c.total_bytes)})" for c in found)
     lines = [
@@ -182,6 +194,17 @@ def write(
     llama = [c for c in found if _fits(c, LLAMACPP)]
     tp = 1 << (len(fits_tp).bit_length() - 1) if len(fits_tp) >= 2 else 0
     runtimes: list[tuple[str, list[str], dict[str, Any], dict[str, str] | None]] = []
+    old = (kernel_version(kernel) or (0, 0)) < COLLECTIVES_KERNEL
+    held_back = []
+    if tp and old:
+        want = ".".join(map(str, COLLECTIVES_KERNEL))
+        held_back = _comment(
+            f"No tensor parallelism: this kernel ({kernel or 'its version unread'}) is older than "
+            f"{want}, and owners report multi-card collectives broken before it. After booting "
+            f"{want} or later, `b70ctl setup --force` offers vLLM over {tp} cards."
+        )
+        tp = 0
+        lines += [*held_back, ""]
     if tp:
         chosen = [found.index(c) for c in fits_tp[:tp]]
         why = _comment(
