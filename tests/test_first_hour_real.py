@@ -240,16 +240,21 @@ def test_scripts_install_into_a_prefix(tmp_path: Path) -> None:
     prefix, bin_dir = tmp_path / "b70", tmp_path / "bin"
     bin_dir.mkdir()
     env = {**os.environ, "B70_PREFIX": str(prefix), "B70_BIN": str(bin_dir)}
-    started = time.monotonic()
-    out = subprocess.run([str(REPO / "scripts" / "install")], env=env, capture_output=True,
-                         text=True, timeout=1800, check=False)  # fmt: skip
-    print(f"\nscripts/install: exit {out.returncode} in {time.monotonic() - started:.1f} s")
-    assert out.returncode == 0, out.stderr[-3000:]
-    link = bin_dir / "b70ctl"
-    assert link.resolve() == (prefix / "bin" / "b70ctl").resolve()
-    version = subprocess.run([str(link), "--version"], capture_output=True, text=True, check=False)
-    assert version.returncode == 0 and "b70ctl" in version.stdout
-    assert "next: sudo b70ctl setup" in out.stderr
+    try:
+        started = time.monotonic()
+        out = subprocess.run([str(REPO / "scripts" / "install")], env=env, capture_output=True,
+                             text=True, timeout=1800, check=False)  # fmt: skip
+        print(f"\nscripts/install: exit {out.returncode} in {time.monotonic() - started:.1f} s")
+        assert out.returncode == 0, out.stderr[-3000:]
+        link = bin_dir / "b70ctl"
+        assert link.resolve() == (prefix / "bin" / "b70ctl").resolve()
+        version = subprocess.run(
+            [str(link), "--version"], capture_output=True, text=True, check=False
+        )
+        assert version.returncode == 0 and "b70ctl" in version.stdout
+        assert "next: sudo b70ctl setup" in out.stderr
+    finally:
+        shutil.rmtree(prefix, ignore_errors=True)  # 769 MB, not left for pytest's kept folders
 
 
 def test_three_commands_on_one_b70_end_serving(box_of: BoxOf) -> None:
