@@ -204,22 +204,21 @@ def _prune(folder: Path, top: Path) -> None:
 # --- what install fetches first ----------------------------------------------------------------
 
 
-def missing_images(config: Config) -> list[tuple[str, str, list[str]]]:
-    """The container images the runtimes name that their engine does not have:
-    (engine, image, runtimes). An engine that is not installed is left to doctor and to pull."""
+def missing_images(config: Config) -> list[tuple[str, str]]:
+    """The container images the runtimes name that their engine does not have, asked as the
+    switch's preflight asks: (engine, image). An engine that is not installed is left to doctor
+    and to the pull."""
     from appliance import run
     from appliance.config import Launcher
+    from appliance.units.runtimes import container_cli
 
-    wanted: dict[tuple[str, str], list[str]] = {}
-    for rt in sorted(config.runtimes.values(), key=lambda r: r.name):
-        if rt.launcher is not Launcher.NATIVE and rt.image:
-            engine = config.docker if rt.launcher is Launcher.DOCKER else config.podman
-            wanted.setdefault((engine, rt.image), []).append(rt.name)
+    wanted = sorted({(container_cli(config, rt), rt.image) for rt in config.runtimes.values()
+                     if rt.launcher is not Launcher.NATIVE and rt.image})  # fmt: skip
     out = []
-    for (engine, image), names in wanted.items():
-        have = run.ask([engine, "image", "inspect", image], 30)  # as the switch's preflight asks
+    for engine, image in wanted:
+        have = run.ask([engine, "image", "inspect", image], 30)
         if have is None or have.returncode != 0:
-            out.append((engine, image, names))
+            out.append((engine, image))
     return out
 
 
@@ -266,8 +265,8 @@ def pull_image(engine: str, image: str, quiet: bool) -> None:
 def ready(ctx: Context, doctor_on: bool, pull_on: bool) -> Config:
     """What `install` does before it writes anything: doctor's checks, then the hub models and
     container images that are missing fetched, then the checks again. A failure stops it, each
-    failed check with its fix; a failure that a fetch mends waits for the fetch. The config is
-    read again after a pull: a quantization pulled names its file."""
+    failed check with its fix; a failure that a fetch mends waits for the fetch, and the checks
+    run again only after one."""
     from appliance.host import doctor as doctor_mod
     from appliance.host.gpu import sysroot
     from appliance.measure import recipe
@@ -290,18 +289,24 @@ def ready(ctx: Context, doctor_on: bool, pull_on: bool) -> Config:
             details={"checks": [vars(c) for c in every]},
         )
 
-    if doctor_on:
-        found = doctor_mod.doctor(config, root) + recipe.doctor_checks(config, root)
-        stop_on([c for c in found if not c.ok and not (pull_on and c.fetch)], found)
-    if pull_on:
-        models = [rt for rt in _hub_runtimes(config, ())
-                  if rt.hub is not None and not rt.hub.is_pulled(config.models_dir)]  # fmt: skip
-        if models:
-            fetch(config, models, ctx.json)
-        for engine, image, _ in missing_images(config):
-            pull_image(engine, image, ctx.json)
-        config = ctx.config()
-    if doctor_on:
-        found = doctor_mod.doctor(config, root) + recipe.doctor_checks(config, root)
+    def checks() -> list[Any]:
+        return doctor_mod.doctor(config, root) + recipe.doctor_checks(config, root)
+
+    found = checks() if doctor_on else []
+    stop_on([c for c in found if not c.ok and not (pull_on and c.fetch)], found)
+    if not pull_on:
+        return config
+    models = [rt for rt in _hub_runtimes(config, ())
+              if rt.hub is not None and not rt.hub.is_pulled(config.models_dir)]  # fmt: skip
+    images = missing_images(config)
+    if not models and not images:  # nothing fetched: the checks stand as they were
         stop_on([c for c in found if not c.ok], found)
+        return config
+    if models:
+        fetch(config, models, ctx.json)
+    for engine, image in images:
+        pull_image(engine, image, ctx.json)
+    config = ctx.config()  # a quantization pulled names its file now
+    found = checks() if doctor_on else []
+    stop_on([c for c in found if not c.ok], found)
     return config

@@ -118,17 +118,12 @@ def listing(model: HubModel, http: httpx.Client) -> list[HubFile]:
         ) from None  # fmt: skip
     wanted = [f for f in found if model.wants(f.path) and _safe(f.path)]
     absent = [path for path in model.extra if path not in {f.path for f in found}]
-    if absent:
+    if absent or not wanted:
         ggufs = sorted(f.path for f in found if f.path.endswith(".gguf"))[:8]
         raise ApplianceError(
-            f"{model.repo_id} has no file {absent[0]} (the runtime's mmproj)",
-            hint=("its GGUF files: " + ", ".join(ggufs)) if ggufs else "check the name on the hub",
-            code="hub_no_match",
-        )
-    if not wanted:
-        ggufs = sorted(f.path for f in found if f.path.endswith(".gguf"))[:8]
-        raise ApplianceError(
-            f"no file of {model.repo_id} matches {model}",
+            f"{model.repo_id} has no file {absent[0]} (the runtime's mmproj)"
+            if absent
+            else f"no file of {model.repo_id} matches {model}",
             hint=("its GGUF files: " + ", ".join(ggufs)) if ggufs else "check the name on the hub",
             code="hub_no_match",
         )
