@@ -233,6 +233,24 @@ def summary(run: Run) -> dict[str, Any]:
     }
 
 
+def pooled(runs: dict[str, list[Run]]) -> list[dict[str, Any]]:
+    """Each replay's figures, and with several of an order its requests pooled: the figures the
+    comparison takes (`replay` 0), and each replay's numbered from 1."""
+    out = []
+    for order, mine in runs.items():
+        if len(mine) == 1:
+            out.append(summary(mine[0]))
+            continue
+        for number, run in enumerate(mine, 1):
+            out.append({**summary(run), "replay": number})
+        every = Run(
+            order, [o for r in mine for o in r.outcomes], [s for r in mine for s in r.swaps]
+        )
+        every.wall_s = sum(r.wall_s for r in mine)
+        out.append({**summary(every), "replay": 0, "replays": len(mine)})
+    return out
+
+
 def simulated(order: str, requests: list[tuple[float, str]], b70: bool) -> dict[str, Any]:
     """The same figures from b70tools.demand_sim: the demo's swap costs, or a B70's."""
     from appliance.switch.demand.policy import Policy
@@ -261,19 +279,27 @@ def show(figures: list[dict[str, Any]]) -> str:
             f"{'/'.join(s(f['models'][m][f'p{q}_s']) for q in (50, 95, 99)):>28}" for m in MODELS
         )
         tps = f"{f['tokens_per_s']:.2f}" if f["tokens_per_s"] is not None else "-"
-        lines.append(
-            f"{f['policy']:<9} {f['swaps']:>5}  {cells}  {tps:>6} {f['failed']:>6} {f['cut']:>4}"
-        )
-    by = {f["policy"]: f for f in figures}
+        name = f["policy"] + (f" #{f['replay']}" if f.get("replay") else "")
+        name += " (all)" if f.get("replays") else ""
+        lines.append(f"{name:<9} {f['swaps']:>5}  {cells}  {tps:>6} {f['failed']:>6} {f['cut']:>4}")
+    by = {f["policy"]: f for f in figures if not f.get("replay")}
     if "collated" in by and "policy" in by:
-        ours, theirs = by["policy"], by["collated"]
-        ratios = []
-        for m in MODELS:
-            a, b = ours["models"][m]["p95_s"], theirs["models"][m]["p95_s"]
-            ratios.append(f"{m} p95 {a / b:.2f}" if a and b else f"{m} p95 -")
-        swaps = f"{ours['swaps']} against {theirs['swaps']}"
-        lines.append(f"policy / collated: {', '.join(ratios)}; swaps {swaps}")
+        lines.append(_against("policy / collated", by["policy"], by["collated"]))
+        if by["collated"].get("replays"):
+            first, second = (
+                f for f in figures if f["policy"] == "collated" and f.get("replay") in (1, 2)
+            )
+            lines.append(_against("collated #2 / #1 (the same order twice)", second, first))
     return "\n".join(lines)
+
+
+def _against(name: str, ours: dict[str, Any], theirs: dict[str, Any]) -> str:
+    """Each model's p95, and the swaps, of one set of figures over another's."""
+    ratios = []
+    for m in MODELS:
+        a, b = ours["models"][m]["p95_s"], theirs["models"][m]["p95_s"]
+        ratios.append(f"{m} p95 {a / b:.2f}" if a and b else f"{m} p95 -")
+    return f"{name}: {', '.join(ratios)}; swaps {ours['swaps']} against {theirs['swaps']}"
 
 
 def read_trace(path: Path) -> list[tuple[float, str]]:
@@ -306,6 +332,11 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="replay this trace (JSON lines), not a seed's")
     parser.add_argument("--write-trace", type=Path, help="write the trace here (JSON lines)")
     parser.add_argument("--orders", default="fcfs,collated,policy")
+    parser.add_argument(
+        "--repeat", type=int, default=1,
+        help="replay each order this many times per trace, taking turns; the table adds each "
+        "order's requests pooled, and the collated order against itself",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument(
         "--b70", type=float, metavar="SCALE",
@@ -325,6 +356,8 @@ def main() -> None:
     except ValueError:
         raise SystemExit(f"--seed: whole numbers separated by commas, not {args.seed!r}") from None
     orders = [o for o in args.orders.split(",") if o]
+    if not 1 <= args.repeat <= 20:
+        raise SystemExit(f"--repeat: 1 to 20 replays of each order, not {args.repeat}")
     for order in orders:
         if order not in ORDERS:
             raise SystemExit(f"--orders: {order!r} is not one of {', '.join(ORDERS)}")
@@ -341,13 +374,18 @@ def main() -> None:
         span = requests[-1][0] if requests else 0.0
         print(f"{name}: {len(requests)} requests over {span:.0f} s, {counts}", flush=True)
         figures = []
-        for order in orders if index % 2 == 0 else list(reversed(orders)):
-            if args.simulate:
-                figures.append(simulated(order, requests, args.b70 is not None))
-                continue
-            log = lambda m: print(m, flush=True)  # noqa: E731
-            figures.append(summary(replay(order, requests, log, args.b70)))
-        figures.sort(key=lambda f: orders.index(f["policy"]))
+        runs: dict[str, list[Run]] = {order: [] for order in orders}
+        turn = orders if index % 2 == 0 else list(reversed(orders))
+        for again in range(1 if args.simulate else args.repeat):
+            for order in turn if again % 2 == 0 else list(reversed(turn)):
+                if args.simulate:
+                    figures.append(simulated(order, requests, args.b70 is not None))
+                    continue
+                log = lambda m: print(m, flush=True)  # noqa: E731
+                runs[order].append(replay(order, requests, log, args.b70))
+        if not args.simulate:
+            figures = pooled(runs)
+        figures.sort(key=lambda f: (orders.index(f["policy"]), f.get("replay", 0)))
         print(show(figures), flush=True)
         results.append({"trace": name, "figures": figures})
     if args.json:

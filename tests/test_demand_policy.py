@@ -215,3 +215,28 @@ def test_at_a_b70s_costs_waiting_from_arrival_would_ping_pong_and_the_policy_doe
     assert ours.undone == 0 and ours.swaps < naive.swaps
     collated = simulate(trace(4, 3600, gaps), B70, replace(policy, order=COLLATED), "llamacpp")
     assert ours.swaps <= collated.swaps
+
+
+def test_the_bench_pools_the_replays_of_an_order_and_shows_it_against_itself() -> None:
+    """scripts/bench-demand --repeat 2: each replay's figures, the order's requests pooled for the
+    comparison, and the collated order's second replay over its first (what two runs of one
+    rule differ by)."""
+    from b70tools.bench_demand import Outcome, Run, pooled, show
+
+    def run(order: str, seconds: list[float]) -> Run:
+        outcomes = [Outcome(m, 0.0, s, 16) for s in seconds for m in ("smollm2", "smollm2-vllm")]
+        return Run(order, outcomes, [{"reason": "demand"}] * 3, wall_s=100.0)
+
+    figures = pooled({
+        "collated": [run("collated", [1.0] * 19 + [10.0]), run("collated", [1.0] * 19 + [20.0])],
+        "policy": [run("policy", [1.0] * 39 + [12.0])],
+    })  # fmt: skip
+    every = [f for f in figures if f["policy"] == "collated" and f.get("replays")]
+    assert [f.get("replay") for f in figures] == [1, 2, 0, None] and every[0]["swaps"] == 6
+    assert every[0]["models"]["smollm2"]["requests"] == 40
+    text = show(figures)
+    assert "collated (all)" in text and "collated #2" in text
+    assert "collated #2 / #1 (the same order twice): smollm2 p95" in text
+    pooled_p95 = every[0]["models"]["smollm2"]["p95_s"]
+    ours = next(f for f in figures if f["policy"] == "policy")["models"]["smollm2"]["p95_s"]
+    assert f"policy / collated: smollm2 p95 {ours / pooled_p95:.2f}" in text

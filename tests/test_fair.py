@@ -80,6 +80,37 @@ def test_fill_admits_up_to_the_slots_and_one_more_for_a_key_alone() -> None:
     assert fill(alone, 2, 0.0, 30.0, keep_free=1) == []  # places kept: nothing more
 
 
+def test_batch_keys_leave_a_place_for_whoever_comes_while_they_fill_the_runtime() -> None:
+    """A batch crowd on two places, and an interactive key that came within ACTIVE_S: the crowd
+    holds one place, and the other waits for the person, who starts at once."""
+    t = Turns.of([_entry(i, "crowd", since=i, kind=BATCH) for i in range(5000)])
+    t.seen = {"crowd": 0.0, "light": 1.0}
+    granted = fill(t, 2, 2.0, 30.0)
+    assert [e.key for e in granted] == ["crowd"] and t.count() == 1
+    t.add(_entry(9000, "light", since=3.0))
+    assert [e.key for e in fill(t, 2, 3.0, 30.0)] == ["light"]
+    # Batch requests aged past batch_wait_s take no more than that either.
+    t.end("1:x", "light")
+    assert fill(t, 2, 25.0, 10.0) == []
+    # Once nobody else came within ACTIVE_S, the crowd takes every place (one more, alone).
+    assert [e.key for e in fill(t, 2, 1.0 + turns.ACTIVE_S, 30.0)] == ["crowd", "crowd"]
+
+
+def test_a_person_running_all_the_time_does_not_starve_a_batch_key() -> None:
+    """The bound is on what batch keys hold, not on the last place free: with one interactive
+    request always running on two places, the batch key still gets the other."""
+    t = Turns.of([_entry(i, "crowd", since=i, kind=BATCH) for i in range(10)])
+    t.add(_entry(100, "light", since=0.0))
+    t.seen = {"crowd": 0.0, "light": 0.0}
+    assert sorted(e.key for e in fill(t, 2, 1.0, 30.0)) == ["crowd", "light"]
+    t.end("1:x", "crowd")
+    assert [e.key for e in fill(t, 2, 2.0, 30.0)] == ["crowd"]
+    # One place: a batch key is never held back (it would wait for nobody).
+    one = Turns.of([_entry(i, "crowd", since=i, kind=BATCH) for i in range(3)])
+    one.seen = {"crowd": 0.0, "light": 0.0}
+    assert [e.key for e in fill(one, 1, 1.0, 30.0)] == ["crowd"]
+
+
 def test_a_cost_counts_the_prompt_and_the_answer_asked() -> None:
     assert turns.cost_of(4000, 100) == 1100
     assert turns.cost_of(40, 0) == 10 + 512

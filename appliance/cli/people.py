@@ -54,7 +54,9 @@ def _limits(function: Any) -> Any:
 @_limits
 @click.option(
     "--priority", type=click.Choice(["interactive", "batch"]), default="interactive",
-    show_default=True, help="batch waits behind interactive when the card is full.",
+    show_default=True,
+    help="batch waits behind interactive when the card is full, and leaves one place free "
+    "while an interactive key came within 30 s.",
 )  # fmt: skip
 @with_json
 def add(

@@ -9,6 +9,9 @@ door, in one queue per key, and each freed place goes to the request that `pick`
   the oldest such goes first, so batch never starves; but such requests take every other place
   at most while interactive requests wait, so a crowd of batch requests that all waited long
   never starves an interactive one either;
+- batch keys hold every place but one while an interactive key came within ACTIVE_S (on a
+  runtime of two places or more): whoever comes while a batch job fills the runtime starts at
+  once, whatever the job keeps waiting;
 - `keep_free` of the places ([proxy] keep_free, default 0) go only to a key with nothing
   running while another key came within ACTIVE_S: the price of a quick start for whoever comes
   while one key fills the runtime is that key's share of those places;
@@ -88,7 +91,8 @@ CREATE INDEX IF NOT EXISTS granted_by_worker ON granted(worker);
 CREATE TABLE IF NOT EXISTS workers(worker TEXT PRIMARY KEY) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS state(name TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
-SMALL = ("ring", "credit", "paid", "seen")  # the record's state kept whole: its size is per key
+# The record's state kept whole: its size is per key
+SMALL = ("ring", "credit", "paid", "seen", "batch")
 AGED = "aged"  # in `paid`: the last place went to a batch request that waited batch_wait_s
 
 
@@ -137,6 +141,7 @@ class Turns:
         self.credit: dict[str, float] = _small(rows.get("credit"), float)
         self.paid: dict[str, bool] = _small(rows.get("paid"), bool)
         self.seen: dict[str, float] = _small(rows.get("seen"), float)
+        self.batch: dict[str, bool] = _small(rows.get("batch"), bool)  # the batch keys seen
 
     @staticmethod
     def of(entries: Iterable[Entry] = ()) -> Turns:
@@ -171,6 +176,10 @@ class Turns:
             ),
         )
         self.db.execute("INSERT OR IGNORE INTO workers VALUES (?)", (entry.worker,))
+        if entry.kind == BATCH:
+            self.batch[entry.key] = True
+        else:
+            self.batch.pop(entry.key, None)
 
     def remove(self, entry_id: str) -> bool:
         """The request out of the line (False: it was not in it)."""
@@ -197,6 +206,11 @@ class Turns:
 
     def count(self) -> int:
         return int(self.db.execute("SELECT COALESCE(SUM(n), 0) FROM running").fetchone()[0])
+
+    def count_batch(self) -> int:
+        """The requests of batch keys running."""
+        rows = self.db.execute("SELECT key, SUM(n) FROM running GROUP BY key")
+        return sum(int(n) for key, n in rows if key in self.batch)
 
     def keys_running(self) -> set[str]:
         return {k for (k,) in self.db.execute("SELECT DISTINCT key FROM running WHERE n > 0")}
@@ -325,18 +339,31 @@ def fill(
     runtime starts at once."""
     out: list[Entry] = []
     running = turns.count()
+    batch_most = _batch_most(turns, slots, now)
+    batch = turns.count_batch() if batch_most is not None else 0
     while running < slots + (1 if keep_free == 0 and alone(turns, now) else 0):
+        only = None
+        if batch_most is not None and batch >= batch_most:
+            only = set(turns.keys_waiting(INTERACTIVE))  # the place batch keys leave free
         if running < slots - keep_free:
-            chosen = pick(turns, now, batch_wait_s)
+            chosen = pick(turns, now, batch_wait_s, only)
         else:
-            chosen = _pick_for_a_kept_place(turns, now, batch_wait_s)
+            chosen = _pick_for_a_kept_place(turns, now, batch_wait_s, only)
         if chosen is None:
             break
         turns.start(chosen.worker, chosen.key)
         turns.grant(chosen)
         running += 1
+        batch += chosen.kind == BATCH
         out.append(chosen)
     return out
+
+
+def _batch_most(turns: Turns, slots: int, now: float) -> int | None:
+    """The places batch keys may hold together: all but one while an interactive key came
+    within ACTIVE_S (None: no bound)."""
+    people = {k for k, t in turns.seen.items() if now - t < ACTIVE_S and k not in turns.batch}
+    return slots - 1 if slots >= 2 and people - {MASTER} else None
 
 
 def alone(turns: Turns, now: float) -> bool:
@@ -349,10 +376,13 @@ def alone(turns: Turns, now: float) -> bool:
     return len(keys - {MASTER}) <= 1  # the appliance's own probes are nobody
 
 
-def _pick_for_a_kept_place(turns: Turns, now: float, batch_wait_s: float) -> Entry | None:
+def _pick_for_a_kept_place(
+    turns: Turns, now: float, batch_wait_s: float, only: set[str] | None = None
+) -> Entry | None:
     running = turns.keys_running()
     recent = {k for k, t in turns.seen.items() if now - t < ACTIVE_S} - {MASTER}
     eligible = {k for k in turns.keys_waiting() if k not in running or not (recent - {k})}
+    eligible = eligible if only is None else eligible & only
     return pick(turns, now, batch_wait_s, only=eligible) if eligible else None
 
 
