@@ -273,7 +273,8 @@ def show(figures: list[dict[str, Any]]) -> str:
         return "-" if v is None else f"{v:.1f}"
 
     head = "  ".join(f"{m + ' p50/p95/p99 s':>28}" for m in MODELS)
-    lines = [f"{'order':<9} {'swaps':>5}  {head}  {'tok/s':>6} {'failed':>6} {'cut':>4}"]
+    wide = max([9, *(len(f["policy"]) + 6 for f in figures if f.get("replays") or f.get("replay"))])
+    lines = [f"{'order':<{wide}} {'swaps':>5}  {head}  {'tok/s':>6} {'failed':>6} {'cut':>4}"]
     for f in figures:
         cells = "  ".join(
             f"{'/'.join(s(f['models'][m][f'p{q}_s']) for q in (50, 95, 99)):>28}" for m in MODELS
@@ -281,7 +282,8 @@ def show(figures: list[dict[str, Any]]) -> str:
         tps = f"{f['tokens_per_s']:.2f}" if f["tokens_per_s"] is not None else "-"
         name = f["policy"] + (f" #{f['replay']}" if f.get("replay") else "")
         name += " (all)" if f.get("replays") else ""
-        lines.append(f"{name:<9} {f['swaps']:>5}  {cells}  {tps:>6} {f['failed']:>6} {f['cut']:>4}")
+        tail = f"{tps:>6} {f['failed']:>6} {f['cut']:>4}"
+        lines.append(f"{name:<{wide}} {f['swaps']:>5}  {cells}  {tail}")
     by = {f["policy"]: f for f in figures if not f.get("replay")}
     if "collated" in by and "policy" in by:
         lines.append(_against("policy / collated", by["policy"], by["collated"]))
