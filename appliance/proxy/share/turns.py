@@ -10,8 +10,8 @@ door, in one queue per key, and each freed place goes to the request that `pick`
   at most while interactive requests wait, so a crowd of batch requests that all waited long
   never starves an interactive one either;
 - batch keys hold every place but one while an interactive key came within ACTIVE_S (on a
-  runtime of two places or more): whoever comes while a batch job fills the runtime starts at
-  once, whatever the job keeps waiting;
+  runtime of two places or more): whoever keeps coming back beside a batch job starts at once,
+  whatever the job keeps waiting (a first request waits for one of the job's to end);
 - `keep_free` of the places ([proxy] keep_free, default 0) go only to a key with nothing
   running while another key came within ACTIVE_S: the price of a quick start for whoever comes
   while one key fills the runtime is that key's share of those places;
