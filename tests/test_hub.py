@@ -76,6 +76,18 @@ def b70ctl(config: Path, hub: Hub, *args: str, token: str | None = None) -> Any:
     return out
 
 
+def test_a_quantization_is_matched_as_a_whole_name_not_inside_another() -> None:
+    model = spec.HubModel("acme", "tiny-GGUF", quant="Q4_K_M")
+    for path in ("tiny-Q4_K_M.gguf", "tiny.q4_k_m.gguf", "Q4_K_M/tiny-Q4_K_M-00001-of-00002.gguf",
+                 "UD-Q4_K_M/tiny-00002-of-00002.gguf"):  # fmt: skip
+        assert model.wants(path), path
+    for path in ("tiny-IQ4_K_M.gguf", "tiny-Q4_K_M_L.gguf", "tiny-Q4_K_M.bin",
+                 "mmproj-tiny-Q4_K_M.gguf", "tiny-Q4_K_S.gguf"):  # fmt: skip
+        assert not model.wants(path), path
+    assert not spec.HubModel("acme", "tiny-GGUF", quant="Q4_K").wants("tiny-Q4_K_M.gguf")
+    assert spec.HubModel("acme", "tiny-GGUF", quant="UD-Q4_K_XL").wants("tiny-UD-Q4_K_XL.gguf")
+
+
 def test_hub_names_are_read_or_refused_with_the_forms_they_take(tmp_path: Path) -> None:
     one = spec.parse("hf:acme/tiny-GGUF:Q4_K_M")
     assert one == spec.HubModel("acme", "tiny-GGUF", quant="Q4_K_M")

@@ -2,8 +2,8 @@
 lies in the models folder (`[models] dir`).
 
     hf:OWNER/REPO               the whole repository (a vLLM model: config, tokenizer, weights)
-    hf:OWNER/REPO:QUANT         the repository's GGUF files whose names hold QUANT (Q4_K_M, say),
-                                every part of a split one
+    hf:OWNER/REPO:QUANT         the repository's GGUF files whose names hold QUANT (Q4_K_M, say)
+                                as a whole, not inside IQ4_K_M; every part of a split one
     hf:OWNER/REPO/PATH.gguf     one GGUF file of it (with its other parts, if it is split)
     ...@REVISION                a branch, tag or commit instead of main
 
@@ -65,11 +65,8 @@ class HubModel:
             return path == self.file or _same_split(path, self.file)
         if self.quant is not None:
             name = path.rsplit("/", 1)[-1].lower()
-            return (
-                path.lower().endswith(".gguf")
-                and self.quant.lower() in path.lower()
-                and ("mmproj" not in name)
-            )
+            gguf = path.lower().endswith(".gguf") and "mmproj" not in name
+            return gguf and _holds(path, self.quant)
         return True
 
     def folder(self, models_dir: str | Path) -> Path:
@@ -90,6 +87,14 @@ class HubModel:
             firsts = sorted(p for p in mine if self._weights(p) and _first_part(p) == p)
             return folder / (firsts[0] if firsts else f"{self.quant}.gguf")
         return folder
+
+
+def _holds(path: str, quant: str) -> bool:
+    """Whether a file's path names the quantization as a whole: Q4_K_M in `m-Q4_K_M.gguf` or
+    `Q4_K_M/m-00001-of-00002.gguf`, in any case, but not in `m-IQ4_K_M.gguf`, and Q4_K not in
+    `m-Q4_K_M.gguf`."""
+    pattern = rf"(?<![A-Za-z0-9_]){re.escape(quant)}(?![A-Za-z0-9_])"
+    return re.search(pattern, path, re.IGNORECASE) is not None
 
 
 def amount(n: int) -> str:
