@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -56,6 +58,26 @@ class Demo:
 
 
 @contextmanager
+def term_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit in the block (in the main thread), so that a benchmark stopped
+    by `kill` or `timeout` unwinds and removes what it started, as Ctrl-C does; a second SIGTERM
+    while it unwinds is ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
 def demo_appliance(
     cache: str,
     extra: str = "",
@@ -72,6 +94,16 @@ def demo_appliance(
     each other, and two servers of 2 threads on 2 cores slow each other to a crawl); `b70ctl`
     installs it, and its units run that one; `rewrite`, the config's text as it is written;
     `manager_env`, more of the manager's environment, which its units and b70ctl see."""
+    with term_as_exit():
+        yield from _demo_appliance(
+            cache, extra, prefix, key_from, threads, b70ctl, rewrite, manager_env
+        )
+
+
+def _demo_appliance(
+    cache: str, extra: str, prefix: str, key_from: Path | None, threads: int, b70ctl: str,
+    rewrite: Callable[[str], str] | None, manager_env: dict[str, str] | None,
+) -> Iterator[Demo]:  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
     subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)

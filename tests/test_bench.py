@@ -317,3 +317,36 @@ def test_switch_with_gate_rolls_back_when_a_gate_fails(appliance: Appliance) -> 
     ) in out.stderr
     assert "rolled back: llamacpp is serving again" in out.stderr
     assert appliance.json("status")["result"]["active_runtime"] == "llamacpp"
+
+
+def test_a_benchmark_stopped_by_sigterm_unwinds_as_on_ctrl_c(tmp_path: Path) -> None:
+    """b70tools.demo_appliance.term_as_exit, around every benchmark's demo appliance: `kill` or
+    `timeout` raises SystemExit in the block, so its cleanup (uninstall, the private manager
+    stopped) runs, where before the process died and left them."""
+    import signal
+    import subprocess
+    import sys
+
+    marker = tmp_path / "cleaned"
+    script = (
+        "import sys, time\n"
+        "from b70tools.demo_appliance import term_as_exit\n"
+        "with term_as_exit():\n"
+        "    try:\n"
+        "        print('ready', flush=True)\n"
+        "        time.sleep(60)\n"
+        "    finally:\n"
+        f"        open({str(marker)!r}, 'w').write('yes')\n"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert marker.read_text() == "yes"
+    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
