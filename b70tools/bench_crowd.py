@@ -7,8 +7,9 @@ wait their turn at the door; `light`, an interactive key, sends one streamed req
 GAP_S seconds, and its time to first token (from its send to its first chunk with text) is
 taken. The hold's limit is raised (HOLD_S) so that the crowd waits rather than gets 503s.
 
-Under each policy (`on`, as shipped; `keep1`, `keep_free = 1`), in one run: light alone, then
-light beside a crowd of SMALL_CROWD, then beside a crowd of N. Each phase with a crowd first
+Under each policy (`on`, as shipped; `keep1`, `keep_free = 1`; `share`, `batch_share = 0.4`;
+`direct`, no door), in one run: light alone, then light beside a crowd of SMALL_CROWD, then
+beside a crowd of N. Each phase with a crowd first
 waits until the door holds the crowd (RAMP_S at most), then measures for DURATION seconds:
 - the requests waiting at the door, read from the door's own record of turns (the most, and
   the mean, sampled every second);
@@ -44,7 +45,7 @@ SMALL_CROWD = 5
 GAP_S = 1.0
 HOLD_S = 1800
 RAMP_S = 300.0
-POLICIES = {"on": "", "keep1": "keep_free = 1", "direct": ""}
+POLICIES = {"on": "", "keep1": "keep_free = 1", "share": "batch_share = 0.4", "direct": ""}
 # `direct`: no door. The crowd goes straight to the runtime's port, as many as it runs at once
 # (all the door ever lets through), and light too: the floor the runtime itself sets.
 PLACES = {"demo": 2, "b70": 64}
@@ -268,7 +269,8 @@ async def run_phase(
 
 def set_policy(demo: Demo, policy: str) -> None:
     config = Path(demo.b70ctl[demo.b70ctl.index("--config") + 1])
-    lines = [ln for ln in config.read_text().splitlines() if ln.split(" = ")[0] != "keep_free"]
+    shaping = {"keep_free", "batch_share"}
+    lines = [ln for ln in config.read_text().splitlines() if ln.split(" = ")[0] not in shaping]
     at = lines.index("[proxy]") + 1
     lines[at:at] = [POLICIES[policy]] if POLICIES[policy] else []
     config.write_text("\n".join(lines) + "\n")

@@ -288,7 +288,7 @@ def main() -> None:
     parser.add_argument(
         "--crowd", type=int, default=0,
         help="instead: a batch key keeping this many requests waiting, beside a light key "
-        "(b70tools/bench_crowd.py; --policies of on,keep1)",
+        "(b70tools/bench_crowd.py; --policies of on,keep1,share,direct)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.crowd:

@@ -401,6 +401,16 @@ PEERS = [
         "proxy.litellm: is no longer read: the proxy runs as b70-proxy",
     ),
     (
+        "no place for batch keys",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nbatch_share = 0'),
+        "proxy.batch_share: 0.0 must be greater than 0",
+    ),
+    (
+        "batch_share without fair turns",
+        GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = false\nbatch_share = 0.5'),
+        "proxy.batch_share: does nothing with fair = false",
+    ),
+    (
         "keep_free without fair turns",
         GOOD.replace('model = "smollm2"', 'model = "smollm2"\nfair = false\nkeep_free = 1'),
         "proxy.keep_free: does nothing with fair = false",

@@ -139,6 +139,10 @@ def test_fair_turns_know_each_runtimes_slots_unless_the_config_turns_them_off() 
     on = config.parse(GOOD, Path("t"))
     env = proxy_environment(on, layout(Scope.USER))
     assert "B70_FAIR" not in env and env["B70_BATCH_WAIT_S"] == "30"
+    assert "B70_BATCH_SHARE" not in env  # every place but one, the default
+    shared = config.parse(GOOD.replace('model = "smollm2"', 'model = "smollm2"\nbatch_share = 0.4'),
+                          Path("t"))  # fmt: skip
+    assert proxy_environment(shared, layout(Scope.USER))["B70_BATCH_SHARE"] == "0.4"
     words = dict(w.split("=") for w in env["B70_SLOTS"].split())
     ports = {rt.engine.value: rt.port for rt in on.runtimes.values()}
     assert words[f"{ports['vllm']}/vLLM"] == str(VLLM_MAX_NUM_SEQS)

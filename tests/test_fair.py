@@ -96,6 +96,22 @@ def test_batch_keys_leave_a_place_for_whoever_comes_while_they_fill_the_runtime(
     assert [e.key for e in fill(t, 2, 1.0 + turns.ACTIVE_S, 30.0)] == ["crowd", "crowd"]
 
 
+def test_batch_share_bounds_what_a_batch_crowd_holds_beside_a_person() -> None:
+    """[proxy] batch_share = 0.4 on vLLM's 64 places: the crowd holds 25 while light came within
+    ACTIVE_S, one at least on two places; the door's setting reaches the turns."""
+    t = Turns.of([_entry(i, "crowd", since=i, kind=BATCH) for i in range(5000)])
+    t.seen = {"crowd": 0.0, "light": 1.0}
+    assert len(fill(t, 64, 2.0, 30.0, batch_share=0.4)) == 25 and t.count() == 25
+    two = Turns.of([_entry(i, "crowd", since=i, kind=BATCH) for i in range(10)])
+    two.seen = {"crowd": 0.0, "light": 1.0}
+    assert len(fill(two, 2, 2.0, 30.0, batch_share=0.1)) == 1
+    from appliance.proxy.mount import batch_share
+
+    assert batch_share({"B70_BATCH_SHARE": "0.4"}) == 0.4
+    assert batch_share({}) == batch_share({"B70_BATCH_SHARE": "nan"}) == 1.0
+    assert batch_share({"B70_BATCH_SHARE": "0"}) == batch_share({"B70_BATCH_SHARE": "7"}) == 1.0
+
+
 def test_a_person_running_all_the_time_does_not_starve_a_batch_key() -> None:
     """The bound is on what batch keys hold, not on the last place free: with one interactive
     request always running on two places, the batch key still gets the other."""

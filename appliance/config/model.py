@@ -90,6 +90,9 @@ class ProxyConfig:
     # Places kept for a key with nothing running while another key fills the runtime: its first
     # token comes at once, and the key that fills the runtime runs that many fewer at once.
     keep_free: int = 0
+    # The share of the places batch keys hold at most while an interactive key came within 30 s
+    # (one at least, and all but one at most): below 1, what a person's request runs beside.
+    batch_share: float = 1.0
     # TLS on the port (appliance/keys.py): the owner's certificate and key, or (both None) one
     # `b70ctl install` makes, self-signed. Plain HTTP still answers loopback.
     tls: bool = False

@@ -224,6 +224,7 @@ class _Reader(CardKeys, ServingKeys):
             "fair",
             "batch_wait_s",
             "keep_free",
+            "batch_share",
             "tls",
             "tls_cert",
             "tls_key",
@@ -241,7 +242,7 @@ class _Reader(CardKeys, ServingKeys):
             )  # fmt: skip
         tls, cert, key = self.tls(t, p)
         fair = self.get(t, "fair", p, bool, True)
-        for shaping in ("batch_wait_s", "keep_free"):
+        for shaping in ("batch_wait_s", "keep_free", "batch_share"):
             if not fair and shaping in t:
                 raise self.fail(
                     p + shaping, "does nothing with fair = false: it shapes the fair turns",
@@ -263,9 +264,8 @@ class _Reader(CardKeys, ServingKeys):
             pass_through=self.get(t, "pass_through", p, bool, True),
             fair=fair,
             batch_wait_s=self.get(t, "batch_wait_s", p, float, 30.0, check_range(0, HOUR_S)),
-            keep_free=self.get(
-                t, "keep_free", p, int, 0, lambda v: None if 0 <= v <= 1024 else "0-1024"
-            ),
+            keep_free=self.get(t, "keep_free", p, int, 0, check_range(0, 1024)),
+            batch_share=self.get(t, "batch_share", p, float, 1.0, check_range(0, 1, low_open=True)),
             max_body_bytes=int(
                 self.get(t, "max_body_mib", p, float, 8.0, check_range(0, 1024, low_open=True))
                 * MIB

@@ -200,6 +200,15 @@ def batch_wait_s(env: Mapping[str, str]) -> float:
     return value if math.isfinite(value) and value >= 0 else DEFAULT_BATCH_WAIT_S
 
 
+def batch_share(env: Mapping[str, str]) -> float:
+    """[proxy] batch_share, as the unit gives it (B70_BATCH_SHARE); 1 when unset or not one."""
+    try:
+        value = float(env.get("B70_BATCH_SHARE", "1"))
+    except ValueError:
+        return 1.0
+    return value if 0 < value <= 1 else 1.0
+
+
 def install(server_app: Any, make: Callable[[ASGIApp], Door]) -> bool:
     """Put the door in front of a Starlette app's middleware stack, built or not; once."""
     if getattr(server_app, "_b70_door", False):
@@ -274,9 +283,8 @@ def install_in_proxy(
     if state and env.get("B70_FAIR", "1") != "0":
         keep = env.get("B70_KEEP_FREE", "0")
         keep_free = int(keep) if keep.isdigit() else 0
-        fair = Fair(
-            Path(state), parse_slots(env.get("B70_SLOTS", "")), batch_wait_s(env), keep_free
-        )
+        slots = parse_slots(env.get("B70_SLOTS", ""))
+        fair = Fair(Path(state), slots, batch_wait_s(env), keep_free, batch_share(env))
     in_clear = serve_tls(env)
     install(
         app,

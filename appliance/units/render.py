@@ -250,6 +250,8 @@ def proxy_environment(config: Config, lay: Layout) -> dict[str, str]:
         env["B70_BATCH_WAIT_S"] = f"{config.proxy.batch_wait_s:g}"
         if config.proxy.keep_free:
             env["B70_KEEP_FREE"] = str(config.proxy.keep_free)
+        if config.proxy.batch_share < 1:
+            env["B70_BATCH_SHARE"] = f"{config.proxy.batch_share:g}"
     else:
         env["B70_FAIR"] = "0"
     return env

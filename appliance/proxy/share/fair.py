@@ -63,11 +63,12 @@ class Share:
     """The turns of one runtime port, as this worker takes them."""
 
     def __init__(
-        self, state_dir: Path, port: int | None, batch_wait_s: float, keep_free: int = 0
-    ) -> None:
+        self, state_dir: Path, port: int | None, batch_wait_s: float, keep_free: int = 0,
+        batch_share: float = 1.0,
+    ) -> None:  # fmt: skip
         self.record = Record(state_dir, port)
         self.batch_wait_s = batch_wait_s
-        self.keep_free = keep_free
+        self.keep_free, self.batch_share = keep_free, batch_share
         self.waiters: dict[str, asyncio.Future[None]] = {}
         self.entries: dict[str, Entry] = {}
         self.slots = 1
@@ -138,7 +139,7 @@ class Share:
 
     def _fill(self, turns: Turns) -> None:
         keep = min(self.keep_free, self.slots - 1)  # one place at least for anyone
-        fill(turns, self.slots, time.time(), self.batch_wait_s, keep)
+        fill(turns, self.slots, time.time(), self.batch_wait_s, keep, self.batch_share)
 
     def _take_mine(self, turns: Turns) -> set[str]:
         """This worker's requests that were admitted, taken off the record's granted list."""
@@ -205,9 +206,10 @@ class Fair:
         slots: Mapping[tuple[int, str], int],
         batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
         keep_free: int = 0,
+        batch_share: float = 1.0,
     ) -> None:
         self.state_dir = state_dir
-        self.keep_free = keep_free
+        self.keep_free, self.batch_share = keep_free, batch_share
         self.configured = dict(slots)
         self.batch_wait_s = batch_wait_s
         self.shares: dict[int | None, Share] = {}
@@ -228,7 +230,7 @@ class Fair:
             return None
         share = self.shares.get(port)
         if share is None:
-            share = Share(self.state_dir, port, self.batch_wait_s, self.keep_free)
+            share = Share(self.state_dir, port, self.batch_wait_s, self.keep_free, self.batch_share)
             self.shares[port] = share
         try:
             got = share.enter_now(person.name, person.priority, cost, slots)

@@ -9,9 +9,9 @@ door, in one queue per key, and each freed place goes to the request that `pick`
   the oldest such goes first, so batch never starves; but such requests take every other place
   at most while interactive requests wait, so a crowd of batch requests that all waited long
   never starves an interactive one either;
-- batch keys hold every place but one while an interactive key came within ACTIVE_S (on a
-  runtime of two places or more): whoever keeps coming back beside a batch job starts at once,
-  whatever the job keeps waiting (a first request waits for one of the job's to end);
+- batch keys hold every place but one (or `batch_share` of them) while an interactive key came
+  within ACTIVE_S, on a runtime of two places or more: whoever keeps coming back beside a batch
+  job starts at once, whatever it keeps waiting (a first request waits for one of its to end);
 - `keep_free` of the places ([proxy] keep_free, default 0) go only to a key with nothing
   running while another key came within ACTIVE_S: the price of a quick start for whoever comes
   while one key fills the runtime is that key's share of those places;
@@ -330,8 +330,9 @@ def cost_of(body_bytes: int, asked_tokens: int) -> int:
 
 
 def fill(
-    turns: Turns, slots: int, now: float, batch_wait_s: float, keep_free: int = 0
-) -> list[Entry]:
+    turns: Turns, slots: int, now: float, batch_wait_s: float, keep_free: int = 0,
+    batch_share: float = 1.0,
+) -> list[Entry]:  # fmt: skip
     """Admit waiting requests while fewer than `slots` run (one more while one key is `alone`
     and nothing is kept): those admitted, counted as running and listed as granted for their
     workers. The last `keep_free` places go only to a key with nothing running, or to any key
@@ -339,7 +340,7 @@ def fill(
     runtime starts at once."""
     out: list[Entry] = []
     running = turns.count()
-    batch_most = _batch_most(turns, slots, now)
+    batch_most = _batch_most(turns, slots, now, batch_share)
     batch = turns.count_batch() if batch_most is not None else 0
     while running < slots + (1 if keep_free == 0 and alone(turns, now) else 0):
         only = None
@@ -359,11 +360,12 @@ def fill(
     return out
 
 
-def _batch_most(turns: Turns, slots: int, now: float) -> int | None:
-    """The places batch keys may hold together: all but one while an interactive key came
-    within ACTIVE_S (None: no bound)."""
+def _batch_most(turns: Turns, slots: int, now: float, share: float = 1.0) -> int | None:
+    """The places batch keys may hold together while an interactive key came within ACTIVE_S:
+    `share` of them ([proxy] batch_share), one at least, all but one at most (None: no bound)."""
     people = {k for k, t in turns.seen.items() if now - t < ACTIVE_S and k not in turns.batch}
-    return slots - 1 if slots >= 2 and people - {MASTER} else None
+    most = min(slots - 1, max(1, math.floor(share * slots)))
+    return most if slots >= 2 and people - {MASTER} else None
 
 
 def alone(turns: Turns, now: float) -> bool:
