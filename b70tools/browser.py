@@ -7,8 +7,11 @@ websocket takes commands ({"id", "method", "params"}) and sends their results an
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -35,7 +38,7 @@ class Browser:
             [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
              "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
              f"--window-size={width},{height}", *flags, "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
         self.events: list[dict[str, Any]] = []
         self._next = 0
@@ -123,12 +126,15 @@ class Browser:
         ws = getattr(self, "ws", None)
         if ws is not None:
             ws.close()
-        self.process.terminate()
-        try:
+        # Chromium's helpers (renderer, GPU, crash handler) are in its session, and one left
+        # running may write into the profile after it is removed: the whole group goes.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         shutil.rmtree(self.profile, ignore_errors=True)
 
     def __enter__(self) -> Browser:
