@@ -188,22 +188,35 @@ def _chat(door: Appliance, key: str, timeout: float) -> Any:
     return r
 
 
+def _chat_known(door: Appliance, key: str, timeout: float) -> Any:
+    """`_chat`, sent again while it is answered 401: a door's workers each read the keys on
+    their own, so the one a connection reaches may not have the new key yet (CI, session 27:
+    /v1/models passed on one worker and the chat went to the other). The key is the door's first
+    check, so a 401 counts toward no limit."""
+    answer: Any = None
+
+    def known() -> bool:
+        nonlocal answer
+        answer = _chat(door, key, timeout)
+        return answer == "waited" or answer.status_code != 401
+
+    _within(SECONDS, known)
+    return answer
+
+
 def test_a_keys_limits_count_its_requests_on_every_door(doors: Doors) -> None:
     a, b = doors.a, doors.b
     key = _json(a, "keys", "add", "bob", "--rpm", "2")["key"]
     _within(SECONDS, lambda: _models(b, key) == 200 and _models(a, key) == 200)
-    first = _chat(a, key, 1.0)
-    assert first == "waited", (
-        first,
-        getattr(first, "text", ""),
-    )  # admitted: the first of its minute
-    assert _chat(b, key, 1.0) == "waited"  # the second, on the other door
-    refused = _chat(a, key, 10.0)
+    first = _chat_known(a, key, 1.0)
+    assert first == "waited", (first, getattr(first, "text", ""))  # admitted: the first
+    assert _chat_known(b, key, 1.0) == "waited"  # the second, on the other door
+    refused = _chat_known(a, key, 10.0)
     assert refused != "waited" and refused.status_code == 429, refused
     assert "sent 2 requests in the last minute" in refused.json()["error"]["message"]
     assert 1 <= int(refused.headers["Retry-After"]) <= 60
 
-    again = _chat(b, key, 10.0)
+    again = _chat_known(b, key, 10.0)
     assert again != "waited" and again.status_code == 429, again
 
     def refusals(door: Appliance, *fleet: str) -> int:
