@@ -22,7 +22,7 @@ from appliance import GIB
 from appliance.config import parse
 from appliance.errors import ApplianceError
 from appliance.host import gpu
-from appliance.host.doctor import COLLECTIVES_KERNEL, kernel_version
+from appliance.host.doctor import COLLECTIVES_KERNEL, host_text, kernel_version
 from appliance.host.gpu.fit import gib
 
 # The images, pinned by tag (docs/images.md says how to move one). The community vLLM image is the
@@ -155,8 +155,6 @@ def _comment(text: str) -> list[str]:
 
 def kernel_found(root: Path) -> str:
     """The kernel's release, as doctor reads it (under a fixture root, else this machine's)."""
-    from appliance.host.doctor import host_text
-
     return (host_text(root, "proc/sys/kernel/osrelease") or "").strip()
 
 
