@@ -32,7 +32,9 @@ through b70tools.demand_sim instead, in a second: the demo's costs, or a B70's w
 
 Prints, per seed and order: the swaps (switch records made during the run), p50, p95 and p99
 latency per model, completion tokens per second over the run, failed and cut requests; then
-the policy's p95 and swaps over the collated order's. `--trace FILE` replays a trace of one's
+what each order's swaps took, by the runtime they brought in; the policy's p95 and swaps over
+the collated order's. `--json FILE` keeps each swap's time and each request's latency too, so
+that runs can be pooled. `--trace FILE` replays a trace of one's
 own instead (JSON lines, `--write-trace` writes a seed's in that form).
 """
 
@@ -218,12 +220,14 @@ def summary(run: Run) -> dict[str, Any]:
         per_model[model] = {
             "requests": len(mine),
             **{f"p{q}_s": percentile(ok, q) for q in (50, 95, 99)},
+            "seconds": [round(s, 3) for s in ok],  # each answered request's, to pool runs later
         }
     tokens = sum(o.tokens for o in run.outcomes)
     return {
         "policy": run.policy,
         "swaps": len(run.swaps),
         "swap_reasons": sorted({str(s.get("reason")) for s in run.swaps}),
+        "swap_s": swap_times(run.swaps),
         "models": per_model,
         "tokens_per_s": tokens / run.wall_s if run.wall_s else None,
         "failed": sum(o.error is not None for o in run.outcomes),
@@ -231,6 +235,17 @@ def summary(run: Run) -> dict[str, Any]:
         "errors": sorted({o.error for o in run.outcomes if o.error})[:3],
         "wall_s": run.wall_s,
     }
+
+
+def swap_times(swaps: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """What each swap took, by the runtime it brought in (the switch's own record): the spread
+    of a swap's cost is most of the spread between two replays of one order."""
+    out: dict[str, list[float]] = {}
+    for record in swaps:
+        seconds = record.get("seconds")
+        if isinstance(seconds, int | float):
+            out.setdefault(str(record.get("to")), []).append(round(float(seconds), 1))
+    return out
 
 
 def pooled(runs: dict[str, list[Run]]) -> list[dict[str, Any]]:
@@ -285,6 +300,10 @@ def show(figures: list[dict[str, Any]]) -> str:
         tail = f"{tps:>6} {f['failed']:>6} {f['cut']:>4}"
         lines.append(f"{name:<{wide}} {f['swaps']:>5}  {cells}  {tail}")
     by = {f["policy"]: f for f in figures if not f.get("replay")}
+    for order, f in by.items():
+        took = [f"{rt} {_span(min(t), max(t))} s" for rt, t in sorted(f.get("swap_s", {}).items())]
+        if took:
+            lines.append(f"{order}: its swaps took {', '.join(took)}")
     if "collated" in by and "policy" in by:
         lines.append(_against("policy / collated", by["policy"], by["collated"]))
         if by["collated"].get("replays"):
@@ -293,6 +312,10 @@ def show(figures: list[dict[str, Any]]) -> str:
             )
             lines.append(_against("collated #2 / #1 (the same order twice)", second, first))
     return "\n".join(lines)
+
+
+def _span(low: float, high: float) -> str:
+    return f"{low:.0f}" if f"{low:.0f}" == f"{high:.0f}" else f"{low:.0f}-{high:.0f}"
 
 
 def _against(name: str, ours: dict[str, Any], theirs: dict[str, Any]) -> str:

@@ -261,3 +261,23 @@ def test_the_bench_pools_the_replays_of_an_order_and_shows_it_against_itself() -
     pooled_p95 = every[0]["models"]["smollm2"]["p95_s"]
     ours = next(f for f in figures if f["policy"] == "policy")["models"]["smollm2"]["p95_s"]
     assert f"policy / collated: smollm2 p95 {ours / pooled_p95:.2f}" in text
+
+
+def test_the_benchs_figures_keep_each_swaps_time_and_each_requests_latency() -> None:
+    """The JSON of scripts/bench-demand keeps what each swap took, by the runtime it brought in,
+    and each answered request's latency, so two runs can be pooled and a swap's spread seen."""
+    from b70tools.bench_demand import Outcome, Run, show, summary
+
+    swaps = [
+        {"to": "vllm", "seconds": 31.04, "reason": "demand"},
+        {"to": "llamacpp", "seconds": 4.26, "reason": "demand"},
+        {"to": "vllm", "seconds": 27.5, "reason": "demand"},
+        {"to": "vllm", "reason": "demand"},  # a record without its time: left out, not 0
+    ]
+    outcomes = [Outcome("smollm2", 0.0, 1.2345, 16), Outcome("smollm2", 1.0, None, 0, "503")]
+    figures = summary(Run("policy", outcomes, swaps, wall_s=10.0))
+    assert figures["swap_s"] == {"vllm": [31.0, 27.5], "llamacpp": [4.3]}
+    assert figures["models"]["smollm2"]["seconds"] == [1.234]
+    assert figures["models"]["smollm2-vllm"]["seconds"] == []
+    assert figures["swaps"] == 4 and figures["failed"] == 1
+    assert "policy: its swaps took llamacpp 4 s, vllm 28-31 s" in show([figures])
