@@ -238,8 +238,8 @@ def summary(run: Run) -> dict[str, Any]:
 
 
 def swap_times(swaps: list[dict[str, Any]]) -> dict[str, list[float]]:
-    """What each swap took, by the runtime it brought in (the switch's own record): the spread
-    of a swap's cost is most of the spread between two replays of one order."""
+    """What each swap took, by the runtime it brought in (the switch's own record): where it
+    varies, so do the turns, and two replays of one order differ the more."""
     out: dict[str, list[float]] = {}
     for record in swaps:
         seconds = record.get("seconds")
