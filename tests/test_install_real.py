@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,3 +157,44 @@ def test_a_runtime_whose_hub_model_is_not_pulled_is_not_started_and_says_what_to
     assert refused.returncode == 1
     assert "runtimes.llamacpp.model: hf:acme/tiny-GGUF:Q4_K_M is not pulled yet" in refused.stderr
     assert "b70ctl models pull llamacpp" in refused.stderr
+
+
+def test_a_proxy_still_starting_from_its_old_unit_is_restarted_by_an_install_that_changed_it(
+    fresh: Appliance,
+) -> None:
+    """The proxy begun from its old unit (by the socket's first client, or the manager's boot) is
+    still starting when install writes a changed unit: install restarts it, so what serves runs
+    the new unit's command. A start would only have waited for the old one."""
+    fresh.b70ctl("install", check=True)
+    units = Path(fresh.manager.env["XDG_CONFIG_HOME"]) / "systemd" / "user"
+    slow = units / "b70-litellm.service.d"
+    slow.mkdir()
+    (slow / "slow.conf").write_text("[Service]\nExecStartPost=/bin/sleep 12\n")
+    fresh.manager.systemctl("daemon-reload")
+    fresh.manager.systemctl("restart", "--no-block", "b70-litellm.service")
+
+    def show(prop: str) -> str:
+        return fresh.manager.systemctl("show", "-p", prop, "--value", "b70-litellm.service").strip()
+
+    def command(pid: str) -> str:  # "(b70-proxy)" until systemd's child has exec'd it
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+        except (FileNotFoundError, ProcessLookupError):
+            return ""
+
+    deadline = time.monotonic() + 60
+    while not (show("ActiveState") == "activating" and "--workers" in command(show("MainPID"))):
+        assert time.monotonic() < deadline, f"the proxy never started again: {show('ActiveState')}"
+        time.sleep(0.1)
+    old = show("MainPID")
+    assert "--workers 2" in command(old)
+
+    text = fresh.config.read_text()
+    fresh.config.write_text(text.replace("[proxy]\n", "[proxy]\nworkers = 1\n", 1))
+    out = fresh.json("install")
+    assert "result" in out, out
+    out = out["result"]
+    assert show("ActiveState") == "active" and "b70-litellm.service" in out["started"]
+    now = show("MainPID")
+    assert now != old and "--workers 1" in command(now)
+    assert fresh.ask().strip()

@@ -38,6 +38,7 @@ from appliance.units import systemd
 from appliance.units.render import render_all
 from appliance.units.rendered import stamp
 from appliance.units.serving import (
+    RUNNING,
     Progress,
     active_runtimes,
     check_port,
@@ -288,11 +289,15 @@ def _start_proxy(
         for unit in (PROXY_UNIT, PROXY_SOCKET):
             wait_stopped(sd, unit, 120)
         sd.start(PROXY_SOCKET)
-    active = sd.properties(PROXY_UNIT).active_state == "active"
-    if active and not proxy_changed:
+    state = sd.properties(PROXY_UNIT).active_state
+    if state == "active" and not proxy_changed:
         return
-    progress("restarting" if active else "starting", PROXY_UNIT)
-    if active:
+    # Still starting counts as running: a start begun before this install wrote the unit (the
+    # socket's first client, the manager's boot) runs the old command, and a start would only
+    # wait for it.
+    restart = state in RUNNING and proxy_changed
+    progress("restarting" if restart else "starting", PROXY_UNIT)
+    if restart:
         sd.restart(PROXY_UNIT)
     else:
         sd.reset_failed(PROXY_UNIT)
@@ -303,10 +308,10 @@ def _start_proxy(
 
 def _start_monitor(sd: systemd.Systemd, changed: bool, result: InstallResult) -> None:
     """The monitor started, or restarted when its unit or the config changed."""
-    active = sd.properties(MONITOR_UNIT).active_state == "active"
-    if active and not changed:
+    state = sd.properties(MONITOR_UNIT).active_state
+    if state == "active" and not changed:
         return
-    if active:
+    if state in RUNNING and changed:  # one starting runs the old unit too (_start_proxy)
         sd.restart(MONITOR_UNIT)
     else:
         sd.reset_failed(MONITOR_UNIT)

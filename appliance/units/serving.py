@@ -50,7 +50,10 @@ def wait_started(
             progress(SUB_STATE_PHASE.get(st.sub_state, st.sub_state), unit)
         if st.active_state == "active" and not st.job_pending:
             return phases
-        if st.start_failed or (st.settled and st.active_state != "active"):
+        # "failed" with a job still pending is a restart's stop on the way to its start
+        failed = st.active_state == "failed" and not st.job_pending
+        lost = failed or st.sub_state == "auto-restart"
+        if lost or (st.settled and st.active_state != "active"):
             raise ApplianceError(
                 f"{unit} did not start: {st.active_state} ({st.sub_state}), result {st.result}",
                 code="start_failed",
@@ -97,10 +100,14 @@ def require_serving(config: Config, sd: systemd.Systemd) -> str:
     return name
 
 
+# The states in which a unit's process may run: begun with the unit as systemd read it then
+RUNNING = frozenset({"active", "activating", "reloading", "deactivating"})
+
+
 def active_runtimes(config: Config, sd: systemd.Systemd) -> list[str]:
     out = []
     for name, rt in sorted(config.runtimes.items()):
-        if sd.active_state(rt.unit) in {"active", "activating", "reloading", "deactivating"}:
+        if sd.active_state(rt.unit) in RUNNING:
             out.append(name)
     return out
 

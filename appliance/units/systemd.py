@@ -52,11 +52,6 @@ class UnitProperties:
         """No job is pending and the unit is not on its way somewhere."""
         return not self.job_pending and self.active_state not in {"activating", "deactivating"}
 
-    @property
-    def start_failed(self) -> bool:
-        """The start is lost: the unit failed, or systemd is about to retry it."""
-        return self.active_state == "failed" or self.sub_state == "auto-restart"
-
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
