@@ -191,9 +191,9 @@ def test_a_proxy_still_starting_from_its_old_unit_is_restarted_by_an_install_tha
 
     text = fresh.config.read_text()
     fresh.config.write_text(text.replace("[proxy]\n", "[proxy]\nworkers = 1\n", 1))
-    out = fresh.json("install")
-    assert "result" in out, out
-    out = out["result"]
+    answer = fresh.json("install")
+    assert "result" in answer, answer
+    out = answer["result"]
     assert show("ActiveState") == "active" and "b70-litellm.service" in out["started"]
     now = show("MainPID")
     assert now != old and "--workers 1" in command(now)

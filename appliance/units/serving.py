@@ -50,10 +50,9 @@ def wait_started(
             progress(SUB_STATE_PHASE.get(st.sub_state, st.sub_state), unit)
         if st.active_state == "active" and not st.job_pending:
             return phases
-        # "failed" with a job still pending is a restart's stop on the way to its start
-        failed = st.active_state == "failed" and not st.job_pending
-        lost = failed or st.sub_state == "auto-restart"
-        if lost or (st.settled and st.active_state != "active"):
+        # Lost: systemd is about to retry it, or it settled anywhere but active ("failed" with a
+        # job still pending is a restart's stop on its way to the start, not settled)
+        if st.sub_state == "auto-restart" or (st.settled and st.active_state != "active"):
             raise ApplianceError(
                 f"{unit} did not start: {st.active_state} ({st.sub_state}), result {st.result}",
                 code="start_failed",
