@@ -44,6 +44,7 @@ class Edges:
         self.left: int | None = options.get("left", 0)
         self.unrecorded: str | None = options.get("unrecorded")
         self.journal_text: str = options.get("journal", "line 1\nline 2")
+        self.start_found: dict[str, Any] | None = options.get("start_cache")
 
     def call(self, line: str) -> None:
         self.calls.append(line)
@@ -89,6 +90,9 @@ class Edges:
     def journal(self, runtime: str, since: float | None) -> str | None:
         self.calls.append(f"journal {runtime}")
         return self.journal_text
+
+    def start_cache(self, runtime: str, since: float | None) -> dict[str, Any] | None:
+        return self.start_found
 
     def journal_command(self, runtime: str) -> str:
         return f"journalctl -u b70-{runtime}.service"

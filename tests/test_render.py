@@ -149,7 +149,10 @@ def test_container_options_come_after_the_appliances_own_and_before_the_image(
     argv = runtimes.exec_start(cfg, cfg.runtimes["b"])
     image = argv.index("localhost/vllm:1")
     assert argv[image - len(options) : image] == options
-    assert argv[: image - len(options)][-2:] == ["--volume", "/srv/m:/m:ro"]
+    # the owner's volumes, then the runtime's lasting cache, then its environment
+    volumes = [argv[i + 1] for i, a in enumerate(argv[:image]) if a == "--volume"]
+    assert volumes == ["/srv/m:/m:ro", "%C/b70-b:/b70-cache"]
+    assert argv[image - len(options) - 2] == "--env"
     assert argv[image + 1 : image + 3] == ["--model", "/m"]
     files = render_all(cfg, layout(Scope.SYSTEM))
     start = unit_lines(files["b70-b.service"], "ExecStart")

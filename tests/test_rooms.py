@@ -16,13 +16,14 @@ PACKAGE = Path(__file__).resolve().parent.parent / "appliance"
 RANKS: dict[str, int] = {
     "core": 0,
     "config": 1,
-    "host": 2,
-    "units": 3,
-    "measure": 4,
-    "switch": 5,
-    "deploy": 6,
-    "watch": 6,
-    "cli": 7,
+    "engines": 2,
+    "host": 3,
+    "units": 4,
+    "measure": 5,
+    "switch": 6,
+    "deploy": 7,
+    "watch": 7,
+    "cli": 8,
 }
 # What LiteLLM loads runs beside the controller, not on top of it: it imports the core alone,
 # and nothing imports it (the proxy's config is rendered from data, not from its code).

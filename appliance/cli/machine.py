@@ -11,6 +11,7 @@ import click
 from appliance import GIB
 from appliance.cli import output
 from appliance.cli.base import Context, cli, guard_log, with_json
+from appliance.config import Engine
 from appliance.errors import ApplianceError
 
 root_option = click.option(
@@ -208,6 +209,20 @@ def unit() -> None:
     default=120,
     help="With --device.",
 )
+@click.option("--engine", type=click.Choice([e.value for e in Engine]), help="With --cache.")
+@click.option(
+    "--cache",
+    "cache",
+    type=click.Path(path_type=Path),
+    help="Last: the recipe's folder of the runtime's lasting cache, made and bounded.",
+)
+@click.option("--cache-max-bytes", type=click.IntRange(min=0), default=0, help="With --cache.")
+@click.option(
+    "--cache-var",
+    "cache_vars",
+    multiple=True,
+    help="With --cache: a variable the unit points into the folder (once per variable).",
+)
 @root_option
 @with_json
 def unit_pre(
@@ -219,11 +234,15 @@ def unit_pre(
     need_bytes: int,
     unit_name: str | None,
     gpu_timeout_s: float,
+    engine: str | None,
+    cache: Path | None,
+    cache_max_bytes: int,
+    cache_vars: tuple[str, ...],
     root: Path | None,
 ) -> None:
     """ExecStartPre: the GPU memory the runtime needs is free (with --device), then the backend
-    port is free. One process for both guards, so that a runtime's start waits for one b70ctl
-    start, not two."""
+    port is free, then its lasting cache is ready (with --cache). One process for the guards,
+    so that a runtime's start waits for one b70ctl start, not three."""
     from appliance.units import guards
 
     if devices:
@@ -231,7 +250,11 @@ def unit_pre(
 
         fit.wait_start(gpu_root(root), devices, need_bytes, unit_name, gpu_timeout_s, guard_log)
     guards.pre(port, wait_s, host)
-    output.show(ctx.json, {"port": port, "free": True, "devices": list(devices)})
+    result: dict[str, object] = {"port": port, "free": True, "devices": list(devices)}
+    if cache is not None and engine:
+        found = guards.cache(cache, Engine(engine), cache_vars, cache_max_bytes)
+        result["cache"] = {"verdict": found.verdict, "problem": found.problem or None}
+    output.show(ctx.json, result)
 
 
 @unit.command("ready")

@@ -204,6 +204,8 @@ class RuntimeConfig:
     start_timeout_s: float = 300.0
     stop_timeout_s: float = 30.0
     restart_burst: int = 3
+    # Its lasting compile cache (appliance.engines.lasting): at most this much; 0 keeps nothing
+    cache_max_bytes: int = 16 * 1024**3
     memory_needed_bytes: int = 0  # on each of its cards
     cards: tuple[int, ...] | None = None  # indices into [gpu] cards; None: the first card
     port: int = 8001  # where it listens on [backend] host; default [backend] port

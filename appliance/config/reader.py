@@ -31,9 +31,9 @@ from appliance.config.model import (
 )
 from appliance.config.serving import ServingKeys
 from appliance.config.values import (
-    CONTROL_RE,
     DAY_S,
     HOUR_S,
+    MAX_CACHE_GIB,
     MAX_MEMORY_GIB,
     NAME_RE,
     RESERVED_NAMES,
@@ -50,6 +50,7 @@ from appliance.config.values import (
     check_word,
     hosts_overlap,
     is_loopback,
+    refuse_control_characters,
 )
 from appliance.config.walk import kind_of
 from appliance.errors import ConfigError
@@ -86,39 +87,15 @@ def parse(text: str, path: Path) -> Config:
         raise ConfigError(
             f"{path}: not valid TOML: {e}", hint="fix the syntax at that line"
         ) from None
-    _refuse_control_characters(path, data)
+    refuse_control_characters(path, data)
     return dataclasses.replace(_Reader(path).config(data), text=text)
-
-
-def _refuse_control_characters(path: Path, data: object, key: str = "") -> None:
-    """Every key and string of the file, at any depth, is free of control characters.
-
-    Strings become unit-file lines and command-line words; one with a newline could add a line
-    such as ExecStartPre=, a NUL would be written into the file. The error names the dotted key
-    and, in a list, the index.
-    """
-    where = key or "(top level)"
-    if isinstance(data, str):
-        if match := CONTROL_RE.search(data):
-            raise ConfigError(
-                f"{path}: {where}: holds the control character {match.group()!r} at "
-                f"position {match.start()}",
-                hint="values may not hold newlines, tabs, NUL or other control characters",
-            )
-    elif isinstance(data, dict):
-        for name, value in data.items():
-            _refuse_control_characters(path, name, key)
-            _refuse_control_characters(path, value, f"{key}.{name}" if key else name)
-    elif isinstance(data, list):
-        for i, value in enumerate(data):
-            _refuse_control_characters(path, value, f"{where}[{i}]")
 
 
 RUNTIME_KEYS = {
     *("engine", "launcher", "model", "command", "image", "mmproj", "env", "args"),
     *("devices", "volumes", "shm_size", "container_options", "user"),
     *("start_timeout_s", "stop_timeout_s", "restart_burst", "memory_needed_gib", "cards"),
-    *("port", "served_model_name", "per_card", "apis"),
+    *("port", "served_model_name", "per_card", "apis", "cache_max_gib"),
 }
 
 
@@ -375,6 +352,7 @@ class _Reader(CardKeys, ServingKeys):
             t, "memory_needed_gib", p, float, -1.0, check_range(0, MAX_MEMORY_GIB)
         )
         devices = self.paths(t, "devices", p, "/dev/dri or /dev/dri/renderD128:/dev/dri/renderD128")
+        cache_gib = self.get(t, "cache_max_gib", p, float, 16.0, check_range(0, MAX_CACHE_GIB))
         return RuntimeConfig(
             name=name,
             engine=engine,
@@ -398,6 +376,7 @@ class _Reader(CardKeys, ServingKeys):
             ),
             stop_timeout_s=self.get(t, "stop_timeout_s", p, float, 30.0, check_range(1, HOUR_S)),
             restart_burst=self.get(t, "restart_burst", p, int, 3, check_range(1, 100)),
+            cache_max_bytes=int(cache_gib * GIB),
             # [gpu] memory_needed_gib is the default for every runtime
             memory_needed_bytes=(
                 int(needed_gib * GIB) if needed_gib >= 0 else gpu.memory_needed_bytes

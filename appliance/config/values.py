@@ -1,5 +1,5 @@
 """The checks of single config values: numbers in range, names, hosts, words for a command
-line. Each returns what is wrong with a value, or None."""
+line. Each returns what is wrong with a value, or None; `refuse_control_characters` raises."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import ipaddress
 import re
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
+
+from appliance.errors import ConfigError
 
 # A runtime name becomes a unit name (b70-NAME.service), a container name and a journal tag.
 NAME_RE = re.compile(r"^[a-z](?:[a-z0-9]|-(?=[a-z0-9])){0,31}$")
@@ -30,6 +33,7 @@ def check_port(value: int) -> str | None:
 HOUR_S = 3600
 DAY_S = 86400
 MAX_MEMORY_GIB = 1024
+MAX_CACHE_GIB = 4096  # a runtime's lasting cache (appliance.engines.lasting)
 
 
 def check_range(low: float, high: float, low_open: bool = False) -> Callable[[float], str | None]:
@@ -174,3 +178,27 @@ def check_peer_url(value: str) -> str | None:
     if port is None:
         return f"{value!r} has no port: the peer's proxy port, usually 8000"
     return check_host(parts.hostname)
+
+
+def refuse_control_characters(path: Path, data: object, key: str = "") -> None:
+    """Every key and string of the file, at any depth, is free of control characters.
+
+    Strings become unit-file lines and command-line words; one with a newline could add a line
+    such as ExecStartPre=, a NUL would be written into the file. The error names the dotted key
+    and, in a list, the index.
+    """
+    where = key or "(top level)"
+    if isinstance(data, str):
+        if match := CONTROL_RE.search(data):
+            raise ConfigError(
+                f"{path}: {where}: holds the control character {match.group()!r} at "
+                f"position {match.start()}",
+                hint="values may not hold newlines, tabs, NUL or other control characters",
+            )
+    elif isinstance(data, dict):
+        for name, value in data.items():
+            refuse_control_characters(path, name, key)
+            refuse_control_characters(path, value, f"{key}.{name}" if key else name)
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            refuse_control_characters(path, value, f"{where}[{i}]")

@@ -15,6 +15,7 @@ from appliance import run
 from appliance.config import Config
 from appliance.deploy import certificate
 from appliance.deploy.purge import purge_state
+from appliance.engines import lasting
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
 from appliance.host.placement import excludes
@@ -35,7 +36,7 @@ from appliance.switch.lock import writer_lock
 from appliance.switch.preflight import not_pulled, recipe_warnings
 from appliance.switch.recovery import recover_killed
 from appliance.units import systemd
-from appliance.units.render import render_all
+from appliance.units.render import cache_recipes, render_all
 from appliance.units.rendered import stamp
 from appliance.units.serving import (
     RUNNING,
@@ -242,6 +243,7 @@ def _write(
             sd.reset_failed(unit)
     for name, text in changed.items():
         write_atomic(lay.destination(name), text)
+    removed_caches = prune_caches(config, lay, sd, dropped, progress)
     config_change = install_config(config, lay)
     stamp(config, lay, files)
     if SYSUSERS in changed:
@@ -268,11 +270,34 @@ def _write(
         enabled=to_enable,
         started=[],
         config=config_change,
-        removed=[str(lay.destination(u)) for u in dropped],
+        removed=[str(lay.destination(u)) for u in dropped] + removed_caches,
         boot_runtime=", ".join(boot),
         boot_runtimes=boot,
         tls=tls,
     )
+
+
+def prune_caches(
+    config: Config, lay: Layout, sd: systemd.Systemd, dropped: list[str], progress: Progress
+) -> list[str]:
+    """The lasting caches of recipes no longer installed (appliance.engines.lasting), and of
+    runtimes taken out of the config. A runtime that runs keeps its folder until the next
+    install: its engine may still write there."""
+    keep = cache_recipes(config)
+    removed = []
+    for unit in dropped:
+        folder = lay.cache_root / cache_name(unit)
+        if unit.endswith(".service") and folder.is_dir() and not folder.is_symlink():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    for rt in config.runtimes.values():
+        name = cache_name(rt.unit)
+        if name not in keep or sd.properties(rt.unit).active_state in ("active", "activating"):
+            continue
+        for folder in lasting.prune(lay.cache_root / name, {keep[name]}):
+            progress("removing", f"{folder} (the cache of a recipe no longer installed)")
+            removed.append(str(folder))
+    return removed
 
 
 def _start_proxy(

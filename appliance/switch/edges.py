@@ -12,8 +12,10 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from appliance import engines
 from appliance import hold as hold_mark
 from appliance.config import Config, RuntimeConfig
+from appliance.engines import lasting
 from appliance.errors import ApplianceError
 from appliance.host.placement import excludes
 from appliance.keys import read_key
@@ -92,6 +94,7 @@ def _import_quietly(module: str) -> None:
         importlib.import_module(module)
 
 
+START_LINES = 2000  # a start's journal, read for what it found in its cache
 JOURNAL_SETTLE_S = 0.3  # between two reads of a failed start's journal
 JOURNAL_SETTLE_TRIES = 6
 
@@ -209,6 +212,17 @@ class SystemEdges:
                 break
             text = again
         return text
+
+    def start_cache(self, runtime: str, since: float | None) -> dict[str, Any] | None:
+        """What the start's own lines (the cache guard's, then the engine's) say of its lasting
+        cache: warm or cold, and why."""
+        rt = self.config.runtime(runtime)
+        text = systemd.journal_excerpt(self.lay.scope, rt.unit, lines=START_LINES, since=since)
+        found = lasting.judge_start(text, engines.of(rt.engine))
+        if found is None:
+            return None
+        out = {"verdict": found.verdict, "cause": found.cause or None}
+        return {**out, "init_s": found.init_s, "compile_s": found.compile_s}
 
     def journal_command(self, runtime: str) -> str:
         unit = self.config.runtime(runtime).unit

@@ -60,6 +60,9 @@ class Edges(Protocol):
 
     def journal(self, runtime: str, since: float | None) -> str | None: ...
 
+    # what a start that succeeded said of its compile cache (appliance.engines.lasting)
+    def start_cache(self, runtime: str, since: float | None) -> dict[str, Any] | None: ...
+
     def journal_command(self, runtime: str) -> str: ...
 
     def record(self, record: dict[str, Any]) -> str | None: ...  # why it was not written
@@ -80,6 +83,7 @@ class SwitchResult:
     error: str | None = None
     journal: str | None = None
     stopped: list[str] = field(default_factory=list)  # the runtimes it stopped (the plan's)
+    start: dict[str, Any] | None = None  # its start, warm or cold (appliance.engines.lasting)
 
     def record(self, at: float) -> dict[str, Any]:
         return {
@@ -91,6 +95,7 @@ class SwitchResult:
             "phases": {k: round(v, 3) for k, v in self.phases.items()},
             "rolled_back": self.rolled_back,
             "error": self.error,
+            **({"start": self.start} if self.start else {}),
         }
 
 
@@ -157,12 +162,13 @@ class Executor:
         self.drain_ends: float | None = None  # when every drain's time is up
         self.unenabled: str | None = None  # why the verified target is not enabled for boot
         self.reason = "by hand"  # why the switch was asked for (plans.Options.reason)
+        self.started: dict[str, Any] | None = None  # what the target's start said of its cache
 
     def result(self, ok: bool, **fields: Any) -> SwitchResult:
         seconds = self.clock.monotonic() - self.t0
         return SwitchResult(
             self.target, self.previous, ok, seconds, self.phases, self.notes, self.answer,
-            stopped=list(self.stopping), **fields,
+            stopped=list(self.stopping), start=self.started, **fields,
         )  # fmt: skip
 
     def record(self, result: SwitchResult, interrupted: bool) -> str | None:
@@ -286,6 +292,9 @@ class Executor:
         if not rolling_back:
             self.phases.update({SUB_STATE_PHASE.get(k, k): v for k, v in timings.items()})
             self.phases["unit"] = self.clock.monotonic() - t0
+            self.started = self.edges.start_cache(runtime, self.started_at)
+            if self.started:
+                self.notes.append(start_note(runtime, self.started))
 
     def roll_back(self, plan: plans.Plan, failure: ApplianceError) -> SwitchResult:
         """The plan's rollback, still held; then the error, recorded."""
@@ -320,3 +329,18 @@ class Executor:
             code="switch_failed",
             details={"switch": result.record(self.clock.time()), "journal": journal},
         ) from failure
+
+
+def start_note(runtime: str, start: dict[str, Any]) -> str:
+    """One line of what a start found in its lasting cache, as the switch prints it."""
+    timed = []
+    if start.get("init_s") is not None:
+        timed.append(f"init engine {start['init_s']:g} s")
+    if start.get("compile_s") is not None:
+        timed.append(f"compilation {start['compile_s']:g} s")
+    took = f" ({', '.join(timed)})" if timed else ""
+    if start["verdict"] == "warm":
+        return f"{runtime} started warm: it loaded what an earlier start compiled{took}"
+    if start["verdict"] == "none":
+        return f"{runtime} started without compiling (its recipe compiles nothing){took}"
+    return f"{runtime} started cold: {start.get('cause') or 'nothing kept yet'}{took}"

@@ -5,6 +5,10 @@ appliance.host.gpu.fit): the backend port must be free; a runtime that still hol
 moment, a foreign process is named and refused. Free means that the runtime could bind it, not
 only that nothing listens there: an outgoing connection's local end holds a port as well.
 
+`cache`, the cache guard (ExecStartPre=, last): the runtime's lasting cache
+(appliance.engines.lasting) is made, kept under its bound, and said to be warm or cold in one
+line; where it cannot serve, the start goes on cold, through the unit's environment file.
+
 `ready`, the health guard (ExecStartPost=): poll the health URL until it answers 200 from the
 unit's own process. systemd keeps waiting if the main process dies during ExecStartPost, so the
 guard checks it on every poll; and a stale server on the same port must not pass for ours, so
@@ -13,10 +17,16 @@ the listener's pid must belong to the unit's process tree (or to its container).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 
+from appliance import engines
+from appliance.config import Engine
+from appliance.engines import lasting
 from appliance.errors import ApplianceError
 from appliance.host import health, processes
 
@@ -64,6 +74,20 @@ def port_problem(host: str, port: int) -> ApplianceError | None:
     return ApplianceError(
         f"port {port} on {host} is held by {', '.join(ends[:3])}", hint=hint, code="port_busy"
     )
+
+
+def cache(folder: Path, engine: Engine, names: Collection[str], max_bytes: int) -> lasting.Prepared:
+    """Ready the recipe's folder before a start, and say in one line what the start finds. The
+    environment file goes to the unit's RuntimeDirectory= (systemd names it in
+    $RUNTIME_DIRECTORY); run by hand, there is none."""
+    where = os.environ.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    env_file = Path(where) / lasting.ENV_FILE if where else None
+    found = lasting.prepare(folder, engines.of(engine), names, max_bytes, env_file)
+    if found.dropped:
+        gone = ", ".join(found.dropped)
+        log(f"{lasting.LINE} dropped {gone} to stay under {lasting.mib(max_bytes)}")
+    log(found.line)
+    return found
 
 
 @dataclass(frozen=True)

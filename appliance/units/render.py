@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from appliance import engines
+from appliance.engines import lasting
 from appliance.host import placement
 from appliance.units import runtimes, sandbox
 
@@ -45,10 +47,7 @@ RESTART_SEC = 5
 _SAFE_WORD = re.compile(r"^[A-Za-z0-9_@+=:,./-]+$")
 
 
-class Verbatim(str):
-    """An argv word that systemd must expand itself, such as ${MAINPID}."""
-
-
+Verbatim = runtimes.Verbatim
 MAINPID = Verbatim("${MAINPID}")
 
 
@@ -73,8 +72,11 @@ def render_exec(argv: list[str]) -> str:
 
 
 def render_environment(key: str, value: str) -> str:
-    """An Environment= value: quoted, with backslashes, quotes and specifiers escaped."""
-    text = f"{key}={value}".replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    """An Environment= value: quoted, with backslashes, quotes and specifiers escaped (a
+    Verbatim value's specifiers are left for systemd to expand)."""
+    text = f"{key}={value}".replace("\\", "\\\\").replace('"', '\\"')
+    if not isinstance(value, Verbatim):
+        text = text.replace("%", "%%")
     return f'"{text}"'
 
 
@@ -143,14 +145,22 @@ def render_runtime_unit(
     for device in placement.devices_of(config, runtime, cards):
         guard += ["--device", device]
     guard += ["--need-bytes", str(runtime.memory_needed_bytes), "--unit", runtime.unit]
-    pre.append([*guard, "--gpu-timeout", f"{config.gpu.release_timeout_s:g}"])
+    guard += ["--gpu-timeout", f"{config.gpu.release_timeout_s:g}"]
+    # Then its lasting cache (appliance.engines.lasting): the recipe's folders, the size bound
+    cached = runtimes.cache_env(runtime, sel)
+    guard += ["--engine", runtime.engine.value, "--cache", runtimes.recipe_on_host(runtime, sel)]
+    guard += ["--cache-max-bytes", str(runtime.cache_max_bytes)]
+    for name in sorted(engines.of(runtime.engine).folders):
+        if name in cached:
+            guard += ["--cache-var", name]
+    pre.append(guard)
     post = [config.b70ctl, "unit", "ready", "--url", runtimes.backend_url(config, runtime)]
     post += ["--engine", runtime.engine.value, "--pid", MAINPID]
     if runtime.launcher is not Launcher.NATIVE:
         engine_bin = runtimes.container_cli(config, runtime)
         post += ["--container", runtimes.container_name(runtime), "--container-cli", engine_bin]
     interval = int(runtime.restart_burst * (runtime.start_timeout_s + RESTART_SEC) + 60)
-    env = {**runtime.env, **(sel.env if sel else {})}
+    env = {**cached, **runtime.env, **(sel.env if sel else {})}
     return _render(
         "runtime.service.j2",
         lay,
@@ -168,6 +178,8 @@ def render_runtime_unit(
         timeout_stop_s=runtimes.stop_timeouts(runtime).unit_s,
         start_limit_interval_s=interval,
         sandbox=sandbox.runtime(config, lay, runtime),
+        cache_folder=runtimes.cache_folder(runtime),
+        cache_env_file=lasting.ENV_FILE,
         wanted_by=lay.wanted_by,
     )
 
@@ -323,6 +335,17 @@ def render_all(
     if lay.scope is Scope.SYSTEM:  # the proxy has a user of its own
         files[SYSUSERS] = render_sysusers(run_as_users(config, lay))
     return dict(sorted(files.items()))
+
+
+def cache_recipes(config: Config, devices: Sequence[Device] | None = None) -> dict[str, str]:
+    """The recipe each runtime's units use in its cache folder, by that folder's name
+    (appliance.engines.lasting): what install keeps there."""
+    placed = placement.placements(config, devices)
+    out = {}
+    for rt in config.runtimes.values():
+        sel = placement.selection(rt, placed[rt.name]) if placed else None
+        out[runtimes.cache_folder(rt)] = runtimes.recipe(rt, sel)
+    return out
 
 
 def run_as_users(config: Config, lay: Layout) -> list[str]:

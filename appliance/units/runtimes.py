@@ -6,11 +6,16 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from appliance import layout
+from appliance import engines, layout
 from appliance.config import Config, Engine, Launcher, RuntimeConfig
+from appliance.engines import lasting
 
 if TYPE_CHECKING:
     from appliance.host.placement import Selection
+
+
+class Verbatim(str):
+    """A word that systemd must expand itself, such as ${MAINPID} or a path under %C."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,44 @@ def container_name(runtime: RuntimeConfig) -> str:
     return layout.container_name(runtime.name)
 
 
+# --- its lasting cache (appliance.engines.lasting) ------------------------------------------------
+
+
+def cache_folder(runtime: RuntimeConfig) -> str:
+    """The runtime's cache folder, its CacheDirectory= and RuntimeDirectory= name: b70-NAME."""
+    return layout.cache_name(runtime.unit)
+
+
+def recipe(runtime: RuntimeConfig, sel: Selection | None = None) -> str:
+    """The name of its recipe's folder in its cache folder."""
+    return lasting.fingerprint(runtime, sel.args if sel else (), sel.env if sel else {})
+
+
+def recipe_on_host(runtime: RuntimeConfig, sel: Selection | None = None) -> Verbatim:
+    """Its recipe's folder on the host, as the unit names it (%C: /var/cache or ~/.cache)."""
+    return Verbatim(f"%C/{cache_folder(runtime)}/{recipe(runtime, sel)}")
+
+
+def cache_env(runtime: RuntimeConfig, sel: Selection | None = None) -> dict[str, str]:
+    """The engine's cache variables, pointing into its recipe's folder as the engine sees it
+    (in a container: under the mount); those the config sets itself are left to it."""
+    taken = {*runtime.env, *(sel.env if sel else {})}
+    if runtime.launcher is Launcher.NATIVE:
+        where: str = recipe_on_host(runtime, sel)
+    else:
+        where = f"{lasting.CONTAINER_ROOT}/{recipe(runtime, sel)}"
+    env = lasting.engine_env(engines.of(runtime.engine), where, taken)
+    if isinstance(where, Verbatim):
+        return {k: Verbatim(v) if v.startswith(where) else v for k, v in env.items()}
+    return env
+
+
+def cache_switches(runtime: RuntimeConfig) -> list[str]:
+    """What a start that keeps nothing sets besides (the guard's environment file), which a
+    container must be told to take from the unit."""
+    return sorted(engines.of(runtime.engine).cold_env)
+
+
 def exec_start(config: Config, runtime: RuntimeConfig, sel: Selection | None = None) -> list[str]:
     """The full ExecStart= argv of a runtime unit; `sel`: its cards, when the config names them
     (appliance.host.placement)."""
@@ -72,7 +115,10 @@ def exec_start(config: Config, runtime: RuntimeConfig, sel: Selection | None = N
         argv += ["--shm-size", runtime.shm_size]
     for volume in (*runtime.volumes, *(sel.volumes if sel else ())):
         argv += ["--volume", volume]
-    for key in sorted({*runtime.env, *(sel.env if sel else ())}):
+    # Its lasting cache: the runtime's whole cache folder, which systemd makes before a start
+    argv += ["--volume", Verbatim(f"%C/{cache_folder(runtime)}:{lasting.CONTAINER_ROOT}")]
+    keys = {*runtime.env, *(sel.env if sel else ()), *cache_env(runtime, sel)}
+    for key in sorted(keys | set(cache_switches(runtime))):
         argv += ["--env", key]  # the value comes from the unit's Environment=
     argv += runtime.container_options
     argv.append(runtime.image or "")

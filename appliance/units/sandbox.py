@@ -384,4 +384,7 @@ def _native(lay: Layout, rt: RuntimeConfig, reads: list[str]) -> list[Directive]
             )
         )
     out += _files(lay, reads, state=None)
-    return out + _cache(rt.unit, rt.env)
+    # Its CacheDirectory= is in every runtime unit, sandboxed or not (templates/runtime.service.j2)
+    if "XDG_CACHE_HOME" not in rt.env:
+        out.append(Directive("Environment", f"XDG_CACHE_HOME=%C/{cache_name(rt.unit)}"))
+    return out
