@@ -127,10 +127,11 @@ def history(demo: Demo) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def b70_appliance(policy: str, scale: float) -> Any:
+def b70_appliance(policy: str, scale: float, costs: str = "cold") -> Any:
     """The stand-in's appliance on a fixture B70, for `policy`, with the driver that frees
     memory after a runtime has gone (beside the models, not under /tmp: the runtime units have
-    a private /tmp)."""
+    a private /tmp). `costs`: "cold", every start compiles (cache_max_gib = 0: each runtime
+    keeps nothing); "warm", the lasting caches kept and warmed by `install --warm` first."""
     import contextlib
     import shutil
     import tempfile
@@ -153,14 +154,23 @@ def b70_appliance(policy: str, scale: float) -> Any:
             proxy, backend = doc["proxy"]["port"], doc["backend"]["port"]
             monitor = doc["monitor"]["port"]
             ports = {"llamacpp": ("qwen-gguf", backend), "vllm": names["vllm"]}
-            return standin_text(proxy, backend, monitor, where / "models", scale, names=ports) + (
+            made = standin_text(proxy, backend, monitor, where / "models", scale, names=ports) + (
                 f"\n[switching]\non_demand = true\n{ORDERS[policy]}"
             ).replace("hold_s = 900", f"hold_s = {HOLD_S}")
+            if costs == "cold":  # each runtime table has its start timeout: keep nothing
+                made = made.replace(
+                    "\nstart_timeout_s = ", "\ncache_max_gib = 0\nstart_timeout_s = "
+                )
+            return made
 
         env = {"B70_SYSROOT": str(tree), "B70_STANDIN_DRIVER": driver.address}
         try:
             with demo_appliance(
-                CACHE, prefix=f"b70-demand-{policy}.", rewrite=edit, manager_env=env
+                CACHE,
+                prefix=f"b70-demand-{policy}.",
+                rewrite=edit,
+                manager_env=env,
+                install_args=("--warm",) if costs == "warm" else (),
             ) as demo:
                 yield demo
         finally:
@@ -171,14 +181,20 @@ def b70_appliance(policy: str, scale: float) -> Any:
 
 
 def replay(
-    policy: str, requests: list[tuple[float, str]], log: Any, b70_scale: float | None = None
+    policy: str,
+    requests: list[tuple[float, str]],
+    log: Any,
+    b70_scale: float | None = None,
+    costs: str = "",
 ) -> Run:
+    """One replay of the trace in `policy`'s order; `costs` ("cold" or "warm", with the B70
+    stand-in): whether its runtimes keep their compile caches (b70_appliance)."""
     import openai
 
-    run = Run(policy)
+    run = Run(f"{policy} {costs}".strip())
     edit = lambda text: configure(text, policy)  # noqa: E731
     if b70_scale is not None:
-        made = b70_appliance(policy, b70_scale)
+        made = b70_appliance(policy, b70_scale, costs or "cold")
     else:
         made = demo_appliance(CACHE, prefix=f"b70-demand-{policy}.", rewrite=edit)
     tokens = B70_TOKENS if b70_scale is not None else 16
@@ -200,7 +216,7 @@ def replay(
             thread.join()
         run.wall_s = time.monotonic() - t0
         run.swaps = history(demo)[before:]
-        log(f"{policy}: {len(requests)} requests in {run.wall_s:.0f} s, {len(run.swaps)} swaps")
+        log(f"{run.policy}: {len(requests)} requests in {run.wall_s:.0f} s, {len(run.swaps)} swaps")
     return run
 
 
@@ -304,8 +320,14 @@ def show(figures: list[dict[str, Any]]) -> str:
         took = [f"{rt} {_span(min(t), max(t))} s" for rt, t in sorted(f.get("swap_s", {}).items())]
         if took:
             lines.append(f"{order}: its swaps took {', '.join(took)}")
-    if "collated" in by and "policy" in by:
-        lines.append(_against("policy / collated", by["policy"], by["collated"]))
+    for costs in ("", " cold", " warm"):
+        if f"collated{costs}" in by and f"policy{costs}" in by:
+            pair = (by[f"policy{costs}"], by[f"collated{costs}"])
+            lines.append(_against(f"policy / collated{costs}", *pair))
+    for order in ORDERS:  # the same order at a B70's warm costs against its cold ones
+        if f"{order} warm" in by and f"{order} cold" in by:
+            pair = (by[f"{order} warm"], by[f"{order} cold"])
+            lines.append(_against(f"{order}: warm / cold", *pair))
         if by["collated"].get("replays"):
             first, second = (
                 f for f in figures if f["policy"] == "collated" and f.get("replay") in (1, 2)
@@ -370,7 +392,18 @@ def main() -> None:
     parser.add_argument(
         "--simulate", action="store_true", help="b70tools.demand_sim instead of the appliance"
     )
+    parser.add_argument(
+        "--caches",
+        default="cold,warm",
+        help="with --b70: each order with its runtimes' compile caches emptied at every start "
+        "(cold), kept and warmed at install (warm), or both",
+    )
     args = parser.parse_args()
+    costs = [c for c in args.caches.split(",") if c]
+    if any(c not in ("cold", "warm") for c in costs) or not costs:
+        raise SystemExit(f"--caches: cold, warm or both, not {args.caches!r}")
+    if args.b70 is None or args.simulate:
+        costs = [""]  # the demo's vLLM compiles nothing in the benchmarks (--enforce-eager)
     if args.b70 is not None:
         if not 0 < args.b70 <= 1:
             raise SystemExit("--b70: a scale above 0 and at most 1")
@@ -407,10 +440,13 @@ def main() -> None:
                     figures.append(simulated(order, requests, args.b70 is not None))
                     continue
                 log = lambda m: print(m, flush=True)  # noqa: E731
-                runs[order].append(replay(order, requests, log, args.b70))
+                for cost in costs:
+                    label = f"{order} {cost}".strip()
+                    runs.setdefault(label, []).append(replay(order, requests, log, args.b70, cost))
         if not args.simulate:
-            figures = pooled(runs)
-        figures.sort(key=lambda f: (orders.index(f["policy"]), f.get("replay", 0)))
+            figures = pooled({k: v for k, v in runs.items() if v})
+        labels = [f"{o} {c}".strip() for o in orders for c in costs]
+        figures.sort(key=lambda f: (labels.index(f["policy"]), f.get("replay", 0)))
         print(show(figures), flush=True)
         results.append({"trace": name, "figures": figures})
     if args.json:

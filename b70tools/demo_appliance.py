@@ -23,12 +23,24 @@ USER_MANAGER = str(REPO / "scripts" / "user-manager")
 
 
 def demo_text(
-    proxy_port: int, backend_port: int, cache: str, extra: str = "", threads: int = 2
+    proxy_port: int,
+    backend_port: int,
+    cache: str,
+    extra: str = "",
+    threads: int = 2,
+    compiled: bool = True,
 ) -> str:
     """examples/demo.toml on these ports, its models in `cache`, llama-server on `threads`
     threads, plus `extra` TOML, with a monitor port of its own unless `extra` gives one. The
-    ports are set in the text: reading it gives each runtime the [backend] port by default."""
+    ports are set in the text: reading it gives each runtime the [backend] port by default.
+    `compiled=False`: vLLM with --enforce-eager, as the demo ran before it compiled (each first
+    start of a compiled recipe takes about 90 s more here)."""
     text = (REPO / "examples" / "demo.toml").read_text().replace("~/.cache/b70", cache)
+    if not compiled:
+        args = 'args = ["--max-model-len"'
+        if args not in text:
+            raise ValueError(f"examples/demo.toml: no `{args}` to add --enforce-eager to")
+        text = text.replace(args, 'args = ["--enforce-eager", "--max-model-len"')
     text = text.replace('"--threads", "2"', f'"--threads", "{threads}"')
     text = text.replace("port = 8000", f"port = {proxy_port}")
     text = text.replace("port = 8001", f"port = {backend_port}")
@@ -87,25 +99,41 @@ def demo_appliance(
     b70ctl: str = B70CTL,
     rewrite: Callable[[str], str] | None = None,
     manager_env: dict[str, str] | None = None,
+    compiled: bool = False,
+    install_args: tuple[str, ...] = (),
 ) -> Iterator[Demo]:
     """examples/demo.toml with the models in `cache`, on free ports, plus `extra` TOML; with
     `key_from`, that proxy.env's key (a fleet shares one); llama-server on `threads` threads
     (two boxes on one 2-core machine want 1 each: llama.cpp's threads spin while they wait for
     each other, and two servers of 2 threads on 2 cores slow each other to a crawl); `b70ctl`
     installs it, and its units run that one; `rewrite`, the config's text as it is written;
-    `manager_env`, more of the manager's environment, which its units and b70ctl see."""
+    `manager_env`, more of the manager's environment, which its units and b70ctl see;
+    `compiled`: vLLM with torch.compile as the demo runs it (the benchmarks measure the switch
+    without it, as they did before the demo compiled, unless they measure the compile cache);
+    `install_args`, install's (--warm). Its units' caches (%C) are its own, removed with it."""
     with term_as_exit():
         yield from _demo_appliance(
-            cache, extra, prefix, key_from, threads, b70ctl, rewrite, manager_env
+            cache,
+            extra,
+            prefix,
+            key_from,
+            threads,
+            b70ctl,
+            rewrite,
+            manager_env,
+            compiled,
+            install_args,
         )
 
 
 def _demo_appliance(
     cache: str, extra: str, prefix: str, key_from: Path | None, threads: int, b70ctl: str,
-    rewrite: Callable[[str], str] | None, manager_env: dict[str, str] | None,
+    rewrite: Callable[[str], str] | None, manager_env: dict[str, str] | None, compiled: bool,
+    install_args: tuple[str, ...],
 ) -> Iterator[Demo]:  # fmt: skip
     root = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, XDG_CONFIG_HOME=str(root / "config"), XDG_STATE_HOME=str(root / "state"))
+    env["XDG_CACHE_HOME"] = str(root / "cache")
     subprocess.run([USER_MANAGER, "start", str(root / "mgr")], env=env, check=True)
     for line in (root / "mgr" / "env").read_text().splitlines():
         key, value = line.removeprefix("export ").split("=", 1)
@@ -117,7 +145,7 @@ def _demo_appliance(
         env[key] = value
     proxy_port, backend_port = free_port(), free_port()
     config = root / "appliance.toml"
-    text = demo_text(proxy_port, backend_port, cache, extra, threads)
+    text = demo_text(proxy_port, backend_port, cache, extra, threads, compiled)
     config.write_text(rewrite(text) if rewrite is not None else text)
     demo = Demo(env, [b70ctl, "--user", "--config", str(config)], proxy_port, backend_port)
     if key_from is not None:
@@ -125,7 +153,9 @@ def _demo_appliance(
         demo.key_file.write_bytes(key_from.read_bytes())
         demo.key_file.chmod(0o600)
     try:
-        subprocess.run([*demo.b70ctl, "install"], env=env, check=True, capture_output=True)
+        subprocess.run(
+            [*demo.b70ctl, "install", *install_args], env=env, check=True, capture_output=True
+        )
         yield demo
     finally:
         subprocess.run([*demo.b70ctl, "uninstall", "--purge"], env=env, capture_output=True)

@@ -171,6 +171,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
 LONGEST = (
     "test_load_real",
     "test_system_box_real",
+    "test_startup_cache_real",
     "test_faults_real",
     "test_engines_real",
     "test_apis_real",
@@ -210,8 +211,10 @@ def demo_config_text(proxy_port: int, backend_port: int, extra: str = "") -> str
     under test has a monitor of its own. llama-server runs one thread, not the demo's two: the
     suite runs on two workers, and two spinning threads beside a busy neighbour made three
     64-token completions 3.4x slower (1.48 s alone, 4.96 s beside `yes`), where one thread took
-    2.4 s either way."""
-    return demo_text(proxy_port, backend_port, str(CACHE), extra, threads=1)
+    2.4 s either way. vLLM runs with --enforce-eager, as the demo did before it compiled: a
+    compiled recipe's first start takes about 90 s more here, and each test's appliance starts
+    with its caches purged; tests/test_startup_cache_real.py runs the demo as it is."""
+    return demo_text(proxy_port, backend_port, str(CACHE), extra, threads=1, compiled=False)
 
 
 @dataclass

@@ -286,6 +286,12 @@ def test_three_commands_on_one_b70_end_serving(box_of: BoxOf) -> None:
         assert box.run(f"cat /proc/{pid}/cmdline | tr '\\0' ' '").stdout.startswith(
             "/opt/llama.cpp/llama-server --model /srv/b70/models/"
         )
+        # vLLM's image again: its container finds the graph the first start compiled, through
+        # the cache folder's mount (docs/caches.md); a mount or variable gone is a cold start
+        back = json.loads(box.run("b70ctl switch vllm --json", timeout=600).stdout)
+        assert back["ok"] and back["result"]["start"]["verdict"] == "warm", back
+        graphs = box.run("find /var/cache/b70-vllm -name vllm_compile_cache.py").stdout.split()
+        assert len(graphs) == 1 and "/vllm/torch_compile_cache/" in graphs[0], graphs
 
 
 def test_three_commands_on_two_b70s_end_serving(box_of: BoxOf) -> None:

@@ -179,13 +179,13 @@ def test_install_removes_the_recipes_no_longer_installed_and_nothing_else(tmp_pa
         # vLLM 0.23 on two B70s (hotschmoe/b70_ai_things; the compile lines are vLLM 0.24's words)
         (
             "init engine (profile, create kv cache, warmup model) took 228.37 s (compilation: 208.52 s)",
-            None,
+            "",
             228.37,
             208.52,
         ),
         (
             "init engine (profile, create kv cache, warmup model) took 49.46 seconds",
-            "none",
+            "",
             49.46,
             None,
         ),
@@ -197,7 +197,7 @@ def test_vllms_init_line_in_each_releases_words(
     found = vllm.read_start(line)
     assert found is not None
     assert (found.init_s, found.compile_s) == (init, compile_s)
-    if verdict:
+    if verdict is not None:
         assert found.verdict == verdict
 
 
@@ -240,12 +240,81 @@ def test_llama_cpp_says_nothing_so_the_guard_decides() -> None:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURES.glob("*.log")))
 def test_real_vllm_starts_read_as_they_were(name: str) -> None:
-    """Starts of the real vLLM (CPU build), their lines as it printed them: the file's name says
-    what the start was (cold, warm, or a cache vLLM could not load)."""
+    """Starts of the real vLLM (CPU build 0.32.0), its lines as it printed them: the file's name
+    says what the start was (cold, a cache vLLM could not load, or silent about its cache)."""
     expected = name.split("-")[0]
     found = vllm.read_start((FIXTURES / name).read_text())
-    assert found is not None
-    assert found.verdict == ("cold" if expected == "failed" else expected)
-    assert found.init_s is not None
+    assert found is not None and found.init_s is not None
+    assert found.verdict == {"cold": "cold", "failed": "cold", "silent": ""}[expected]
     if expected == "failed":
-        assert "could not load its compile cache" in found.cause
+        assert "could not load its compile cache ('function' object has no" in found.cause
+    # where vLLM is silent, the guard's line decides, and vLLM's times stay
+    guard = (
+        f"{lasting.LINE} warm: /var/cache/b70-vllm/5f0c2a9e41d7 holds 4.5 MiB from earlier starts\n"
+    )
+    judged = lasting.judge_start(guard + (FIXTURES / name).read_text(), VLLM)
+    assert judged is not None and judged.init_s == found.init_s
+    assert judged.verdict == ("warm" if expected == "silent" else "cold")
+
+
+def test_a_recipe_that_compiles_nothing_starts_neither_cold_nor_warm() -> None:
+    text = (
+        f"{lasting.LINE} cold: /x/0123456789ab holds nothing yet; this start fills it\n"
+        "init engine (profile, create kv cache, warmup model) took 27.10 s\n"
+    )
+    assert not VLLM.compiles(["--enforce-eager", "--max-model-len", "2048"])
+    found = lasting.judge_start(text, VLLM, compiles=False)
+    assert found is not None and (found.verdict, found.init_s) == ("none", 27.1)
+
+
+# --- what a swap costs, cold and warm --------------------------------------------------------------
+
+
+def switch_record(seconds: float, verdict: str | None, cause: str | None = None) -> dict:
+    record = {"to": "vllm", "ok": True, "seconds": seconds, "at": 1.0, "phases": {"drained": 1.0}}
+    if verdict:
+        record["start"] = {"verdict": verdict, "cause": cause}
+    return record
+
+
+def test_the_expected_swap_is_the_warm_one_once_the_cache_is_warm() -> None:
+    from appliance.switch.records import swap_costs, swap_figures
+
+    runtimes = {"vllm": BASE}
+    history = [switch_record(229.0, "cold", "nothing to load yet"), switch_record(18.0, "warm")]
+    figures, _ = swap_figures(history, runtimes)
+    assert (figures["vllm"].cold, figures["vllm"].warm) == (228.0, 17.0)
+    assert swap_costs(history, runtimes)[0] == {"vllm": 17.0}
+    # only a cold start so far: it filled the cache, but no warm figure is known yet
+    assert swap_costs(history[:1], runtimes)[0] == {"vllm": 228.0}
+    # a start that could not use its cache kept nothing: the next is cold again
+    broken = [*history, switch_record(231.0, "cold", "the cache cannot be written (Read-only)")]
+    assert swap_costs(broken, runtimes)[0] == {"vllm": 230.0}
+    # records from before starts were judged count as they did
+    assert swap_costs([switch_record(50.0, None)], runtimes)[0] == {"vllm": 49.0}
+
+
+def test_a_hold_shorter_than_the_costliest_swap_on_record_is_a_warning(tmp_path: Path) -> None:
+    import json
+
+    from appliance import config
+    from appliance.deploy.warm import hold_warnings
+    from appliance.layout import Layout, Scope
+
+    text = (
+        'default_runtime = "llamacpp"\n[proxy]\nmodel = "m"\nhold_s = 120\n'
+        '[runtimes.llamacpp]\nengine = "llamacpp"\ncommand = ["/usr/bin/true"]\nmodel = "/m.gguf"\n'
+        '[runtimes.vllm]\nengine = "vllm"\nmodel = "/models/hf"\n'
+    )
+    cfg = config.parse(text, Path("hold.toml"))
+    lay = Layout(Scope.USER, tmp_path / "units", tmp_path / "etc", tmp_path / "state")
+    assert hold_warnings(cfg, lay) == []  # nothing on record: nothing to compare
+    lay.state_dir.mkdir()
+    history = [switch_record(229.0, "cold", "nothing to load yet")]
+    (lay.state_dir / "switches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    (warning,) = hold_warnings(cfg, lay)
+    assert warning.startswith("[proxy] hold_s = 120 s is shorter than a swap to vllm (228 s")
+    # once a warm start is on record, the warm one is what a swap is expected to take
+    history.append(switch_record(18.0, "warm"))
+    (lay.state_dir / "switches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+    assert hold_warnings(cfg, lay) == []

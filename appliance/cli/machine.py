@@ -54,7 +54,8 @@ def gpu(ctx: Context, root: Path | None) -> None:
 def doctor(ctx: Context, root: Path | None) -> None:
     """Check this host for the appliance: cards and the xe driver, the kernel, the render group,
     /dev/dri/by-path, CAP_PERFMON, the container engine and images, the models (whole, by
-    their headers), llama-server's libraries, and host memory for --cpu-offload-gb.
+    their headers), llama-server's libraries, host memory for --cpu-offload-gb, and each
+    runtime's compile cache (its size, and whether it is warm for the installed recipe).
 
     Prints one line per check, with the fix for each that fails; exits 1 if any fails.
 
@@ -62,6 +63,7 @@ def doctor(ctx: Context, root: Path | None) -> None:
     Example:
       sudo b70ctl --config /etc/b70/appliance.toml doctor
     """
+    from appliance.deploy import warm
     from appliance.host import doctor as doctor_mod
     from appliance.measure import recipe
 
@@ -69,6 +71,7 @@ def doctor(ctx: Context, root: Path | None) -> None:
     checks = doctor_mod.doctor(config, gpu_root(root)) + recipe.doctor_checks(
         config, gpu_root(root)
     )
+    checks += warm.cache_checks(config, ctx.scope)
     doc = {"checks": [vars(c) for c in checks]}
     if not ctx.json:
         output.show(False, doc, lambda: output.render_checks(doc["checks"]))

@@ -150,6 +150,11 @@ def _last_switch_lines(last: dict[str, Any] | None) -> list[str]:
     ]
     if last.get("error"):
         lines.append("  " + last["error"].splitlines()[0])
+    start = last.get("start")
+    if isinstance(start, dict) and start.get("verdict"):  # its lasting cache (engines.lasting)
+        from appliance.switch.executor import start_note
+
+        lines.append("  " + start_note(last["to"], start))
     return lines
 
 
@@ -166,6 +171,9 @@ def _demand_lines(d: dict[str, Any] | None) -> list[str]:
         lines.append(f"on demand  yes{order}{'; ' + why['reason'] if why.get('reason') else ''}")
         for name, cost in (d.get("costs") or {}).items():
             known = "last switch" if cost["from"] == "records" else "engine's default"
+            apart = [f"{k} {cost[k + '_s']:.0f} s" for k in ("cold", "warm") if cost.get(k + "_s")]
+            if cost.get("next"):
+                known = f"its cache is {cost['next']}; " + ", ".join([*apart, known])
             lines.append(f"  swap to   {name} takes {cost['seconds']:.0f} s ({known})")
     for q in d["queues"]:
         lines.append(

@@ -69,8 +69,14 @@ def render(ctx: Context, out: Path | None, diff: bool) -> None:
     show_default=True,
     help="Fetch the hub models (hf:) and container images that are missing first.",
 )
+@click.option(
+    "--warm/--no-warm",
+    default=None,
+    help="Start each runtime whose compile cache is cold once, then hand back to the default "
+    "(default: on for the system manager, off with --user).",
+)
 @with_json
-def install(ctx: Context, now: bool, doctor: bool | None, pull: bool) -> None:
+def install(ctx: Context, now: bool, doctor: bool | None, pull: bool, warm: bool | None) -> None:
     """Install the rendered units, then daemon-reload and enable them.
 
     First, on the system manager, doctor's checks: a failure stops it before anything is
@@ -93,6 +99,14 @@ def install(ctx: Context, now: bool, doctor: bool | None, pull: bool) -> None:
     config = ready(ctx, doctor_on, pull)
     result = install_mod.install(config, ctx.scope, now, output.progress)
     doc = dataclasses.asdict(result)
+    if now and (ctx.scope is Scope.SYSTEM if warm is None else warm):
+        # each runtime's first start compiles: done now, not when a client first asks for it
+        from appliance.deploy import warm as warm_mod
+
+        warmed = warm_mod.warm(config, ctx.scope, output.progress)
+        doc["warm"] = dataclasses.asdict(warmed)
+        doc["notes"] += [f"{name} is warm: its first start compiled" for name in warmed.warmed]
+        doc["notes"] += [f"{name} is still cold: {why}" for name, why in warmed.cold.items()]
     output.show(ctx.json, doc, lambda: output.render_install(doc))
 
 

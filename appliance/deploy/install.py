@@ -15,6 +15,7 @@ from appliance import run
 from appliance.config import Config
 from appliance.deploy import certificate
 from appliance.deploy.purge import purge_state
+from appliance.deploy.warm import hold_warnings
 from appliance.engines import lasting
 from appliance.errors import ApplianceError
 from appliance.files import write_atomic
@@ -36,7 +37,7 @@ from appliance.switch.lock import writer_lock
 from appliance.switch.preflight import not_pulled, recipe_warnings
 from appliance.switch.recovery import recover_killed
 from appliance.units import systemd
-from appliance.units.render import cache_recipes, render_all
+from appliance.units.render import cache_recipes, recipe_folder, render_all
 from appliance.units.rendered import stamp
 from appliance.units.serving import (
     RUNNING,
@@ -208,6 +209,7 @@ def install(
                 check_port(sd, runtime_units, port, "backend", config)
         result = _write(config, lay, sd, files, changed, progress)
         result.notes += recipe_warnings(config)
+        result.notes += hold_warnings(config, lay)
         if lock.stale is not None:  # a killed switch: settled before anything starts
             done = recover_killed(config, lay, sd, lock.stale, progress, wait=now)
             if done is not None:
@@ -270,7 +272,8 @@ def _write(
         enabled=to_enable,
         started=[],
         config=config_change,
-        removed=[str(lay.destination(u)) for u in dropped] + removed_caches,
+        removed=[str(lay.destination(u)) for u in dropped],
+        notes=[f"removed {p}: the cache of a recipe no longer installed" for p in removed_caches],
         boot_runtime=", ".join(boot),
         boot_runtimes=boot,
         tls=tls,
@@ -387,6 +390,7 @@ def _start_runtime(
             e.hint = f"see why: {journal}; then `b70ctl switch {rt.name}`"
             raise
         result.started.append(rt.unit)
+        lasting.mark_started(recipe_folder(config, layout(sd.scope), rt))  # its cache is kept
 
 
 def uninstall(config: Config, scope: Scope, purge: bool) -> UninstallResult:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -25,10 +25,10 @@ class CacheVariable:
 class StartCache:
     """What one start's own lines say of its compile cache.
 
-    verdict: "warm" (it loaded what an earlier start compiled), "cold" (it compiled), or "none"
-    (it compiled nothing: vLLM with --enforce-eager). cause: why a start was cold, in the
-    engine's words where it gave them. init_s, compile_s: vLLM's "init engine ... took X s
-    (compilation: Y s)", where it printed them.
+    verdict: "warm" (it loaded what an earlier start compiled), "cold" (it compiled), "none"
+    (it compiles nothing: vLLM with --enforce-eager), or "" (the engine did not say). cause:
+    why a start was cold, in the engine's words where it gave them. init_s, compile_s: vLLM's
+    "init engine ... took X s (compilation: Y s)", where it printed them.
     """
 
     verdict: str
@@ -43,6 +43,11 @@ def no_lines(text: str) -> StartCache | None:
     return None
 
 
+def always(args: Sequence[str]) -> bool:
+    """An engine that compiles at every start where it runs on the card (SYCL's JIT)."""
+    return True
+
+
 @dataclass(frozen=True)
 class EngineFacts:
     """One engine, as the rest of the appliance asks about it.
@@ -52,6 +57,7 @@ class EngineFacts:
     warm_globs: inside the recipe's folder, what only a start that compiled leaves behind.
     read_start: its start-up lines (a journal's text) to what they say of the cache; None where
     they say nothing.
+    compiles: whether a start with these arguments compiles anything at all.
     """
 
     name: str
@@ -59,6 +65,7 @@ class EngineFacts:
     cold_env: Mapping[str, str] = field(default_factory=dict)
     warm_globs: tuple[str, ...] = ()
     read_start: Callable[[str], StartCache | None] = no_lines
+    compiles: Callable[[Sequence[str]], bool] = always
 
     @property
     def folders(self) -> dict[str, str]:

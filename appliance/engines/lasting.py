@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from appliance.engines.facts import EngineFacts, StartCache
 
 RECIPE = re.compile(r"[0-9a-f]{12}")  # a recipe's folder: the fingerprint's first 12 hex digits
 STAMP = ".b70-used"  # in a recipe's folder; its mtime is when a start last used the folder
+STARTED = ".b70-started"  # in a recipe's folder: a start of the recipe succeeded with it
 CONTAINER_ROOT = "/b70-cache"  # where a container sees its runtime's cache folder
 COLD_ROOT = "/tmp/b70-cold-cache"  # the throwaway folders of a start that keeps nothing
 ENV_FILE = "cache.env"  # in the unit's RuntimeDirectory=
@@ -107,7 +107,6 @@ def prepare(
     names: Collection[str],
     max_bytes: int,
     env_file: Path | None,
-    now: float | None = None,
 ) -> Prepared:
     """Make the recipe's folders, keep the runtime's caches under `max_bytes`, and write the
     environment file of the start (empty where the folder serves; the throwaway folders where it
@@ -119,8 +118,6 @@ def prepare(
     dropped = bound(folder.parent, max_bytes, keep=folder, facts=facts)
     with contextlib.suppress(OSError):
         (folder / STAMP).touch()
-        if now is not None:
-            os.utime(folder / STAMP, (now, now))
     _write_env(env_file, {})
     held = size_of(folder)
     verdict = "warm" if is_warm(folder, facts) else "cold"
@@ -132,8 +129,9 @@ def usable(folder: Path, facts: EngineFacts) -> str:
     try:
         for sub in facts.folders.values():
             (folder / sub).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".b70-probe-"):
-            pass
+        probe = folder / f".b70-probe-{os.getpid()}"  # tempfile costs a start 5 ms to import
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        probe.unlink()
         stat = os.statvfs(folder)
     except OSError as e:
         return f"cannot be written ({e.strerror or e})"
@@ -264,40 +262,60 @@ def prune(root: Path, keep: Collection[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class CacheState:
-    """A recipe's folder as doctor and status show it."""
+    """A recipe's folder as doctor and status show it. warm: it holds what only a compiling
+    start leaves; started: a start of the recipe succeeded with it."""
 
     folder: Path
     held_bytes: int
     warm: bool
+    started: bool
     last_used: float | None
 
 
 def state(folder: Path, facts: EngineFacts) -> CacheState:
     if not folder.is_dir():
-        return CacheState(folder, 0, False, None)
+        return CacheState(folder, 0, False, False, None)
     used = (folder / STAMP).stat().st_mtime if (folder / STAMP).exists() else None
-    return CacheState(folder, size_of(folder), is_warm(folder, facts), used)
+    warm = is_warm(folder, facts)
+    return CacheState(folder, size_of(folder), warm, was_started(folder), used)
+
+
+def mark_started(folder: Path) -> None:
+    """A start of the recipe succeeded with this folder (where it exists: a start that could
+    not use it kept nothing there)."""
+    if (folder / STAMP).is_file() and not folder.is_symlink():  # the guard could use it
+        with contextlib.suppress(OSError):
+            (folder / STARTED).touch()
+
+
+def was_started(folder: Path) -> bool:
+    return (folder / STARTED).is_file()
 
 
 # --- after a start ---------------------------------------------------------------------------
 
 
-def judge_start(text: str, facts: EngineFacts) -> StartCache | None:
-    """Whether a start was cold or warm, and why, from its journal (the guard's line, then the
-    engine's own lines, which know better where they speak: a cache vLLM could not load is
-    cold however full its folder); None where neither said anything."""
+def judge_start(text: str, facts: EngineFacts, compiles: bool = True) -> StartCache | None:
+    """Whether a start was cold or warm, and why, from its journal: the guard's line says what
+    the folder held; the engine's own lines know better where they speak (a cache vLLM could not
+    load is cold however full its folder), and give its times. `compiles`: whether the recipe
+    compiles anything at all (appliance.engines.EngineFacts.compiles). None where nothing was
+    said."""
     guard = [line for line in text.splitlines() if LINE in line]
     said = guard[-1].split(LINE, 1)[1].strip() if guard else ""
     verdict, _, detail = said.partition(": ")
-    if verdict == "cold" and "keeps nothing" in detail:
-        return StartCache(
-            "cold", "the cache " + detail.split(" ", 1)[1].split(";")[0], lines=(said,)
-        )
     engine = facts.read_start(text)
-    if engine is not None:
+    init_s = engine.init_s if engine else None
+    compile_s = engine.compile_s if engine else None
+    if verdict == "cold" and "keeps nothing" in detail:
+        cause = "the cache " + detail.split(" ", 1)[1].split(";")[0]
+        return StartCache("cold", cause, init_s, compile_s, (said,))
+    if engine is not None and engine.verdict in ("warm", "cold"):
         return engine
+    if not compiles:
+        return StartCache("none", "", init_s, compile_s, (said,)) if said or engine else None
     if verdict == "warm":
-        return StartCache("warm", lines=(said,))
+        return StartCache("warm", "", init_s, compile_s, (said,))
     if verdict == "cold":
-        return StartCache("cold", "nothing kept yet", lines=(said,))
-    return None
+        return StartCache("cold", "nothing kept yet", init_s, compile_s, (said,))
+    return engine

@@ -14,6 +14,7 @@ B70_* variables), so the appliance keys the folder by the whole recipe as well
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from appliance.engines import oneapi
 from appliance.engines.facts import CacheVariable, EngineFacts, StartCache
@@ -52,7 +53,10 @@ COLD_ENV = {"VLLM_DISABLE_COMPILE_CACHE": "1"}
 LOADED = re.compile(
     r"Directly load (the compiled graph\(s\) for .* from the cache|AOT compilation from path)"
 )
-COMPILED = re.compile(r"Compiling a graph for (compile range|dynamic shape) .*takes? [\d.]+ s")
+COMPILED = re.compile(
+    r"Compiling a graph for (compile range|dynamic shape) .*takes? [\d.]+ s"
+    r"|saved AOT compiled function to"
+)
 LOAD_FAILED = re.compile(
     r"Compiling model again due to a load failure from (?P<path>\S+?),? reason: (?P<why>.*)"
 )
@@ -91,8 +95,8 @@ def read_start(text: str) -> StartCache | None:
         return StartCache("cold", cause, init_s, compile_s, kept)
     if loaded:
         return StartCache("warm", "", init_s, compile_s, kept)
-    if init is not None:  # it is up and compiled nothing: --enforce-eager
-        return StartCache("none", "", init_s, compile_s, kept)
+    if init is not None:  # up, and silent about its cache (vLLM's CPU build, or --enforce-eager)
+        return StartCache("", "", init_s, compile_s, kept)
     return None
 
 
@@ -100,10 +104,18 @@ def _about_cache(line: str) -> bool:
     return any(p.search(line) for p in (LOADED, COMPILED, LOAD_FAILED, SOURCE_CHANGED, DISABLED))
 
 
+def compiles(args: Sequence[str]) -> bool:
+    """Whether a start with these flags compiles anything: not with --enforce-eager."""
+    return "--enforce-eager" not in args
+
+
 FACTS = EngineFacts(
     name="vLLM",
+    compiles=compiles,
     caches=CACHES,
     cold_env=COLD_ENV,
-    warm_globs=("vllm/torch_compile_cache/*",),
+    # what a compiling start leaves: vLLM's graphs, Inductor's and Triton's kernels (the CPU
+    # build's C++ kernels are Inductor's), the compute runtime's
+    warm_globs=("vllm/torch_compile_cache/*", "inductor/*", "triton/*", "neo/*", "sycl/*"),
     read_start=read_start,
 )

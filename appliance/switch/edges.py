@@ -24,6 +24,7 @@ from appliance.switch.interrupts import start_blocked
 from appliance.switch.lock import SwitchLock
 from appliance.switch.records import recipe_of, record_switch
 from appliance.units import runtimes, systemd
+from appliance.units.render import recipe_folder
 from appliance.units.serving import Progress, enable_only, wait_started, wait_stopped
 
 DRAIN_POLL_S = 0.02
@@ -218,7 +219,9 @@ class SystemEdges:
         cache: warm or cold, and why."""
         rt = self.config.runtime(runtime)
         text = systemd.journal_excerpt(self.lay.scope, rt.unit, lines=START_LINES, since=since)
-        found = lasting.judge_start(text, engines.of(rt.engine))
+        facts = engines.of(rt.engine)
+        lasting.mark_started(recipe_folder(self.config, self.lay, rt))  # it started: kept
+        found = lasting.judge_start(text, facts, facts.compiles(rt.args))
         if found is None:
             return None
         out = {"verdict": found.verdict, "cause": found.cause or None}

@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +68,39 @@ def recipe_of(rt: RuntimeConfig) -> str:
 def swap_costs(
     history: Sequence[Mapping[str, Any]], runtimes: Mapping[str, RuntimeConfig]
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """What each runtime's swap in took last, from the records: its switch time less the drain
-    of what the other runtime still served, from the last switch to it that succeeded with its
-    present recipe (a record without one is from before recipes were kept and counts); and
-    when each runtime's last switch in ended (epoch seconds). A failed start is no cost."""
-    took: dict[str, float] = {}
+    """What each runtime's next swap in is expected to take, from the records (`swap_figures`:
+    the warm figure where its lasting cache is warm, else the last), and when each runtime's
+    last switch in ended (epoch seconds). A failed start is no cost."""
+    figures, since = swap_figures(history, runtimes)
+    return {name: f.expected for name, f in figures.items()}, since
+
+
+@dataclass(frozen=True)
+class SwapFigures:
+    """What a runtime's swaps in took with its present recipe: the last of all, the last cold
+    and the last warm one (appliance.engines.lasting), and whether the next finds its cache warm:
+    a start kept what it compiled unless its cache could not be used."""
+
+    last: float
+    cold: float | None = None
+    warm: float | None = None
+    next_warm: bool = False
+
+    @property
+    def expected(self) -> float:
+        if self.next_warm and self.warm is not None:
+            return self.warm
+        return self.last
+
+
+def swap_figures(
+    history: Sequence[Mapping[str, Any]], runtimes: Mapping[str, RuntimeConfig]
+) -> tuple[dict[str, SwapFigures], dict[str, float]]:
+    """Each runtime's swap figures, from its switch time less the drain of what the other
+    runtime still served, over the switches to it that succeeded with its present recipe (a
+    record without one is from before recipes were kept and counts); and when each runtime's
+    last switch in ended (epoch seconds)."""
+    figures: dict[str, SwapFigures] = {}
     since: dict[str, float] = {}
     recipes = {name: recipe_of(rt) for name, rt in runtimes.items()}
     for record in history:
@@ -88,5 +117,15 @@ def swap_costs(
         cost = float(seconds)
         if isinstance(drained, int | float) and 0 <= drained <= cost:
             cost -= float(drained)
-        took[to] = cost
-    return took, since
+        before = figures.get(to, SwapFigures(cost))
+        start = record.get("start")
+        verdict = start.get("verdict") if isinstance(start, dict) else None
+        cause = str(start.get("cause") or "") if isinstance(start, dict) else ""
+        figures[to] = SwapFigures(
+            last=cost,
+            cold=cost if verdict == "cold" else before.cold,
+            warm=cost if verdict == "warm" else before.warm,
+            # a start whose cache could not be used kept nothing (the guard's cause)
+            next_warm=verdict in ("warm", "cold") and not cause.startswith("the cache "),
+        )
+    return figures, since

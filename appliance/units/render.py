@@ -348,6 +348,12 @@ def cache_recipes(config: Config, devices: Sequence[Device] | None = None) -> di
     return out
 
 
+def recipe_folder(config: Config, lay: Layout, runtime: RuntimeConfig) -> Path:
+    """The folder of `runtime`'s installed recipe in its lasting cache, on this machine."""
+    name = runtimes.cache_folder(runtime)
+    return lay.cache_root / name / cache_recipes(config)[name]
+
+
 def run_as_users(config: Config, lay: Layout) -> list[str]:
     """System users the runtimes run as (a user manager cannot change users)."""
     if lay.scope is not Scope.SYSTEM:

@@ -12,7 +12,7 @@ from appliance import hold
 from appliance.config import Config
 from appliance.switch.demand.pins import read_pin
 from appliance.switch.demand.policy import cost_of
-from appliance.switch.records import read_history, swap_costs
+from appliance.switch.records import read_history, swap_figures
 
 
 def target_of(config: Config, port: int) -> str | None:
@@ -50,7 +50,8 @@ def demand_view(config: Config, state_dir: Path, last: dict[str, Any] | None) ->
     record = hold.read_demand(state_dir)
     refused = record.get("refused")
     pin = read_pin(state_dir, now)
-    took, _ = swap_costs(read_history(state_dir), config.runtimes)
+    figures, _ = swap_figures(read_history(state_dir), config.runtimes)
+    took = {name: f.expected for name, f in figures.items()}
     return {
         "on_demand": config.switching.on_demand,
         "order": config.switching.order,
@@ -60,6 +61,12 @@ def demand_view(config: Config, state_dir: Path, last: dict[str, Any] | None) ->
             name: {
                 "seconds": round(cost_of(name, rt.engine.value, took), 1),
                 "from": "records" if name in took else "default",
+                # cold and warm starts apart (appliance.engines.lasting), where records show them
+                "cold_s": _rounded(figures[name].cold) if name in figures else None,
+                "warm_s": _rounded(figures[name].warm) if name in figures else None,
+                "next": ("warm" if figures[name].next_warm else "cold")
+                if name in figures
+                else None,
             }
             for name, rt in sorted(config.runtimes.items())
         },
@@ -74,6 +81,10 @@ def demand_view(config: Config, state_dir: Path, last: dict[str, Any] | None) ->
         # Records written before switches said why are by hand
         "last_reason": None if last is None else last.get("reason", "by hand"),
     }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 1)
 
 
 def _left_s(entry: object, now: float) -> float:
