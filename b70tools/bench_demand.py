@@ -321,18 +321,18 @@ def show(figures: list[dict[str, Any]]) -> str:
         if took:
             lines.append(f"{order}: its swaps took {', '.join(took)}")
     for costs in ("", " cold", " warm"):
-        if f"collated{costs}" in by and f"policy{costs}" in by:
-            pair = (by[f"policy{costs}"], by[f"collated{costs}"])
-            lines.append(_against(f"policy / collated{costs}", *pair))
+        collated = f"collated{costs}"
+        if collated in by and f"policy{costs}" in by:
+            lines.append(_against(f"policy / {collated}", by[f"policy{costs}"], by[collated]))
+        if collated in by and by[collated].get("replays"):
+            first, second = (
+                f for f in figures if f["policy"] == collated and f.get("replay") in (1, 2)
+            )
+            lines.append(_against(f"{collated} #2 / #1 (the same order twice)", second, first))
     for order in ORDERS:  # the same order at a B70's warm costs against its cold ones
         if f"{order} warm" in by and f"{order} cold" in by:
             pair = (by[f"{order} warm"], by[f"{order} cold"])
             lines.append(_against(f"{order}: warm / cold", *pair))
-        if by["collated"].get("replays"):
-            first, second = (
-                f for f in figures if f["policy"] == "collated" and f.get("replay") in (1, 2)
-            )
-            lines.append(_against("collated #2 / #1 (the same order twice)", second, first))
     return "\n".join(lines)
 
 

@@ -141,8 +141,18 @@ def test_container_unit_runs_the_exact_argv_and_environment(
     assert unit[0]["argv"] == ["rm", "--force", "b70-ctr"]
     cfg = config_mod.load(app.config)
     expected = runtimes.exec_start(cfg, cfg.runtimes["ctr"])
-    assert unit[1]["argv"] == expected[1:]
-    assert unit[1]["env"] == TRICKY_ENV
+    # systemd expands %C (the manager's cache home) in the cache folder's mount
+    cache_home = app.manager.env["XDG_CACHE_HOME"]
+    assert unit[1]["argv"] == [word.replace("%C", cache_home) for word in expected[1:]]
+    assert f"{cache_home}/b70-ctr:/b70-cache" in unit[1]["argv"]
+    # the owner's environment, and the lasting cache's variables inside the mount
+    recipe = runtimes.recipe(cfg.runtimes["ctr"])
+    assert unit[1]["env"] == {
+        **TRICKY_ENV,
+        "NEO_CACHE_DIR": f"/b70-cache/{recipe}/neo",
+        "NEO_CACHE_PERSISTENT": "1",
+        "SYCL_CACHE_DIR": f"/b70-cache/{recipe}/sycl",
+    }
     assert app.ask().strip()
 
     record.write_text("")

@@ -319,15 +319,40 @@ def test_a_swaps_cost_is_its_last_good_start_with_its_present_recipe_and_status_
     assert took == {"vllm": 42.0} and since == {"vllm": 1.0, "llamacpp": 3.0}
     assert len(history) == 3
     view = queues.demand_view(config, tmp_path, None)
+    # records from before starts were judged cold or warm: no figure of either, nor of the next
+    unjudged = {"cold_s": None, "warm_s": None, "next": None}
     assert view["costs"] == {
-        "llamacpp": {"seconds": 10.0, "from": "default"},
-        "vllm": {"seconds": 42.0, "from": "records"},
+        "llamacpp": {
+            "seconds": 10.0,
+            "from": "default",
+            "cold_s": None,
+            "warm_s": None,
+            "next": None,
+        },
+        "vllm": {"seconds": 42.0, "from": "records", **unjudged},
     }
     from appliance.cli.output import _demand_lines
 
     text = "\n".join(_demand_lines(view))
     assert "swap to   vllm takes 42 s (last switch)" in text
     assert "swap to   llamacpp takes 10 s (engine's default)" in text
+    # starts judged cold and warm (docs/caches.md): the warm one is what the next swap takes
+    for seconds, verdict in ((230.0, "cold"), (19.0, "warm")):
+        record_switch(
+            tmp_path,
+            {
+                "to": "vllm",
+                "ok": True,
+                "seconds": seconds,
+                "at": 4.0,
+                "recipe": vllm,
+                "start": {"verdict": verdict},
+            },
+        )
+    text = "\n".join(_demand_lines(queues.demand_view(config, tmp_path, None)))
+    assert (
+        "swap to   vllm takes 19 s (its cache is warm; cold 230 s, warm 19 s, last switch)" in text
+    )
     other = parse(ON_DEMAND.replace('engine = "vllm"', 'engine = "vllm"\nargs = ["-tp", "2"]', 1),
                   tmp_path / "appliance.toml")  # fmt: skip
     assert recipe_of(other.runtimes["vllm"]) != vllm

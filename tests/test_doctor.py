@@ -184,7 +184,11 @@ def test_a_healthy_host_passes_every_check(host: Host) -> None:
         "tp: model",
         "tp: host memory",
         "tp: fits",
+        # each runtime's compile cache: informational, never a failure (docs/caches.md)
+        "llamacpp: cache",
+        "tp: cache",
     }
+    assert checks["tp: cache"][0]["detail"].startswith("cold: no start of the installed recipe")
     assert len(checks["xe driver"]) == 2
     calls = host.calls.read_text()
     assert "image inspect --format {{.Id}} ghcr.io/x/vllm:1" in calls
@@ -361,7 +365,7 @@ def test_the_text_report_gives_each_failure_its_fix(host: Host) -> None:
     assert out.returncode == 1
     assert "FAIL tp: host memory: " in out.stdout
     assert "     fix: lower --cpu-offload-gb, or add memory" in out.stdout
-    assert "error: 1 of 15 checks failed: tp: host memory" in out.stderr
+    assert "error: 1 of 17 checks failed: tp: host memory" in out.stderr
     assert "Traceback" not in out.stderr
 
 
@@ -426,6 +430,15 @@ class Installs:
             return install_mod.InstallResult(str(scope.value), [], [], False, [], [])
 
         monkeypatch.setattr(install_mod, "install", fake)
+        from appliance.deploy import warm as warm_mod
+
+        self.warmed: list[str] = []  # the scopes of the warm-ups that followed
+
+        def fake_warm(config, scope, progress):  # type: ignore[no-untyped-def]
+            self.warmed.append(scope.value)
+            return warm_mod.Warmed()
+
+        monkeypatch.setattr(warm_mod, "warm", fake_warm)
         # docker that has the image only once it was pulled (or always, without DOCKER_NO_IMAGE)
         executable(
             host.docker,
@@ -510,3 +523,7 @@ def test_no_doctor_installs_anyway_and_user_scope_skips_it(
     assert len(installs.reached) == 1
     assert installs.run(user=True).returncode == 0  # a user manager's install (the demo)
     assert installs.run("--doctor", user=True).returncode == 1
+    # the warm-up follows on the system manager, and on a user manager only when asked
+    assert installs.warmed == ["system"]
+    assert installs.run("--warm", user=True).returncode == 0
+    assert installs.warmed == ["system", "user"]

@@ -71,7 +71,7 @@ def doctor(ctx: Context, root: Path | None) -> None:
     checks = doctor_mod.doctor(config, gpu_root(root)) + recipe.doctor_checks(
         config, gpu_root(root)
     )
-    checks += warm.cache_checks(config, ctx.scope)
+    checks += warm.cache_checks(config, ctx.scope, gpu_root(root))
     doc = {"checks": [vars(c) for c in checks]}
     if not ctx.json:
         output.show(False, doc, lambda: output.render_checks(doc["checks"]))

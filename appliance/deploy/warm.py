@@ -7,6 +7,7 @@ the caches: each one's size, whether it is warm, and a request hold shorter than
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from appliance import engines
 from appliance.config import Config, RuntimeConfig
@@ -118,12 +119,20 @@ def hand_back(
 # --- what doctor and install say ---------------------------------------------------------------
 
 
-def cache_checks(config: Config, scope: Scope) -> list[Check]:
-    """Each runtime's lasting cache: its size, and whether it is warm for the installed recipe."""
+def cache_checks(config: Config, scope: Scope, root: Path) -> list[Check]:
+    """Each runtime's lasting cache: its size, and whether it is warm for the installed recipe
+    (its cards read under `root`; where they cannot be placed, doctor's card checks say why)."""
+    from appliance.host.gpu.sysfs import read_devices
+
     lay = layout(scope)
+    devices = read_devices(root)
+    try:
+        folders = {n: recipe_folder(config, lay, rt, devices) for n, rt in config.runtimes.items()}
+    except ApplianceError:
+        return []
     out = []
     for name, rt in sorted(config.runtimes.items()):
-        folder = recipe_folder(config, lay, rt)
+        folder = folders[name]
         state = lasting.state(folder, engines.of(rt.engine))
         held = lasting.mib(state.held_bytes)
         if rt.cache_max_bytes == 0:

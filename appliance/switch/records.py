@@ -84,7 +84,7 @@ class SwapFigures:
     last: float
     cold: float | None = None
     warm: float | None = None
-    next_warm: bool = False
+    next_warm: bool | None = None  # None: the last start on record did not say
 
     @property
     def expected(self) -> float:
@@ -126,6 +126,8 @@ def swap_figures(
             cold=cost if verdict == "cold" else before.cold,
             warm=cost if verdict == "warm" else before.warm,
             # a start whose cache could not be used kept nothing (the guard's cause)
-            next_warm=verdict in ("warm", "cold") and not cause.startswith("the cache "),
+            next_warm=None
+            if verdict is None
+            else verdict in ("warm", "cold") and not cause.startswith("the cache "),
         )
     return figures, since

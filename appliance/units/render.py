@@ -348,10 +348,13 @@ def cache_recipes(config: Config, devices: Sequence[Device] | None = None) -> di
     return out
 
 
-def recipe_folder(config: Config, lay: Layout, runtime: RuntimeConfig) -> Path:
-    """The folder of `runtime`'s installed recipe in its lasting cache, on this machine."""
+def recipe_folder(
+    config: Config, lay: Layout, runtime: RuntimeConfig, devices: Sequence[Device] | None = None
+) -> Path:
+    """The folder of `runtime`'s installed recipe in its lasting cache, on this machine (or
+    placed on `devices`)."""
     name = runtimes.cache_folder(runtime)
-    return lay.cache_root / name / cache_recipes(config)[name]
+    return lay.cache_root / name / cache_recipes(config, devices)[name]
 
 
 def run_as_users(config: Config, lay: Layout) -> list[str]:

@@ -64,9 +64,7 @@ def demand_view(config: Config, state_dir: Path, last: dict[str, Any] | None) ->
                 # cold and warm starts apart (appliance.engines.lasting), where records show them
                 "cold_s": _rounded(figures[name].cold) if name in figures else None,
                 "warm_s": _rounded(figures[name].warm) if name in figures else None,
-                "next": ("warm" if figures[name].next_warm else "cold")
-                if name in figures
-                else None,
+                "next": _next(figures[name].next_warm) if name in figures else None,
             }
             for name, rt in sorted(config.runtimes.items())
         },
@@ -81,6 +79,11 @@ def demand_view(config: Config, state_dir: Path, last: dict[str, Any] | None) ->
         # Records written before switches said why are by hand
         "last_reason": None if last is None else last.get("reason", "by hand"),
     }
+
+
+def _next(warm: bool | None) -> str | None:
+    """Whether a runtime's next start finds its cache warm; None where no start said."""
+    return None if warm is None else "warm" if warm else "cold"
 
 
 def _rounded(seconds: float | None) -> float | None:
