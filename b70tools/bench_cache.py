@@ -67,11 +67,13 @@ def start(demo: Demo, label: str, log: Any) -> dict[str, Any]:
 
 
 def show(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'start':<22} {'cache':<6} {'init engine s':>13} {'switch s':>9}"]
+    wide = max(len(r["start"]) for r in rows)
+    lines = [f"{'start':<{wide}} {'cache':<6} {'init engine s':>13} {'switch s':>9}"]
     for r in rows:
         init = "-" if r["init_engine_s"] is None else f"{r['init_engine_s']:.2f}"
         cause = f"  ({r['cause']})" if r["cause"] else ""
-        lines.append(f"{r['start']:<22} {r['cache']:<6} {init:>13} {r['switch_s']:>9.1f}{cause}")
+        cells = f"{r['cache']:<6} {init:>13} {r['switch_s']:>9.1f}"
+        lines.append(f"{r['start']:<{wide}} {cells}{cause}")
     cold = next(r for r in rows if r["start"].startswith("cold"))
     warm = [r for r in rows if r["start"].startswith("warm")]
     eager = [r for r in rows if r["start"].startswith("eager")]
