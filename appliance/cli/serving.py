@@ -105,7 +105,9 @@ def install(ctx: Context, now: bool, doctor: bool | None, pull: bool, warm: bool
 
         warmed = warm_mod.warm(config, ctx.scope, output.progress)
         doc["warm"] = dataclasses.asdict(warmed)
-        doc["notes"] += [f"{name} is warm: its first start compiled" for name in warmed.warmed]
+        doc["notes"] += [
+            f"{name} is warm: started once now, its cache kept" for name in warmed.warmed
+        ]
         doc["notes"] += [f"{name} is still cold: {why}" for name, why in warmed.cold.items()]
     output.show(ctx.json, doc, lambda: output.render_install(doc))
 

@@ -137,6 +137,8 @@ def cache_checks(config: Config, scope: Scope, root: Path) -> list[Check]:
         held = lasting.mib(state.held_bytes)
         if rt.cache_max_bytes == 0:
             detail = "off (cache_max_gib = 0): every start compiles"
+        elif not state.readable:
+            detail = f"{folder} is its runtime's user's alone: root's doctor shows it"
         elif not engines.of(rt.engine).compiles(rt.args):
             detail = f"{held} at {folder}; its recipe compiles nothing"
         elif state.started:

@@ -270,14 +270,18 @@ class CacheState:
     warm: bool
     started: bool
     last_used: float | None
+    readable: bool = True  # False: the folder is its runtime user's alone (not root's)
 
 
 def state(folder: Path, facts: EngineFacts) -> CacheState:
-    if not folder.is_dir():
-        return CacheState(folder, 0, False, False, None)
-    used = (folder / STAMP).stat().st_mtime if (folder / STAMP).exists() else None
-    warm = is_warm(folder, facts)
-    return CacheState(folder, size_of(folder), warm, was_started(folder), used)
+    try:
+        if not folder.is_dir():
+            return CacheState(folder, 0, False, False, None)
+        used = (folder / STAMP).stat().st_mtime if (folder / STAMP).exists() else None
+        warm = is_warm(folder, facts)
+        return CacheState(folder, size_of(folder), warm, was_started(folder), used)
+    except PermissionError:
+        return CacheState(folder, 0, False, False, None, readable=False)
 
 
 def mark_started(folder: Path) -> None:

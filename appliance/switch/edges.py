@@ -218,9 +218,10 @@ class SystemEdges:
         """What the start's own lines (the cache guard's, then the engine's) say of its lasting
         cache: warm or cold, and why."""
         rt = self.config.runtime(runtime)
+        with contextlib.suppress(ApplianceError):  # cards that cannot be placed: not marked
+            lasting.mark_started(recipe_folder(self.config, self.lay, rt))  # it started: kept
         text = systemd.journal_excerpt(self.lay.scope, rt.unit, lines=START_LINES, since=since)
         facts = engines.of(rt.engine)
-        lasting.mark_started(recipe_folder(self.config, self.lay, rt))  # it started: kept
         found = lasting.judge_start(text, facts, facts.compiles(rt.args))
         if found is None:
             return None

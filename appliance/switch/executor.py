@@ -202,6 +202,11 @@ class Executor:
                 if self.current is None or self.current.kind not in plans.ROLLED_BACK:
                     raise  # before the commit nothing changed; a stop that hangs is its own error
                 return self.roll_back(plan, failure)
+        # What the start found in its lasting cache, read from its journal once the held
+        # requests went on (the hold ends with the enable step)
+        self.started = self.edges.start_cache(self.target, self.started_at)
+        if self.started:
+            self.notes.append(start_note(self.target, self.started))
         received = self.interrupts.received
         done = self.result(ok=True, error=self.unenabled)
         unrecorded = self.record(done, interrupted=received is not None)
@@ -292,9 +297,6 @@ class Executor:
         if not rolling_back:
             self.phases.update({SUB_STATE_PHASE.get(k, k): v for k, v in timings.items()})
             self.phases["unit"] = self.clock.monotonic() - t0
-            self.started = self.edges.start_cache(runtime, self.started_at)
-            if self.started:
-                self.notes.append(start_note(runtime, self.started))
 
     def roll_back(self, plan: plans.Plan, failure: ApplianceError) -> SwitchResult:
         """The plan's rollback, still held; then the error, recorded."""
