@@ -90,6 +90,21 @@ def test_a_first_start_finds_nothing_and_a_second_finds_what_the_first_left(
     assert second.line.startswith(f"{lasting.LINE} warm: {folder} holds ")
 
 
+def test_a_recipe_whose_starts_kept_nothing_is_neither_cold_nor_warm(tmp_path: Path) -> None:
+    """llama.cpp on the CPU compiles nothing: once a start succeeded and left the folder empty,
+    the next is not called cold again and again."""
+    folder = tmp_path / "b70-llamacpp" / "0123456789ab"
+    assert lasting.prepare(folder, LLAMA, ["NEO_CACHE_DIR"], 2**30, None).verdict == "cold"
+    lasting.mark_started(folder)
+    found = lasting.prepare(folder, LLAMA, ["NEO_CACHE_DIR"], 2**30, None)
+    assert found.verdict == "none" and "nothing compiles here" in found.line
+    judged = lasting.judge_start(found.line, LLAMA)
+    assert judged is not None and judged.verdict == "none"
+    # a start that compiled fills it: warm from then on
+    (folder / "neo" / "ab.l0_cache").write_bytes(b"x")
+    assert lasting.prepare(folder, LLAMA, ["NEO_CACHE_DIR"], 2**30, None).verdict == "warm"
+
+
 def test_a_folder_that_cannot_be_written_starts_cold_and_keeps_nothing(tmp_path: Path) -> None:
     (tmp_path / "b70-vllm").write_text("a file where the folder should be")
     folder = tmp_path / "b70-vllm" / "0123456789ab"
@@ -142,6 +157,7 @@ def test_the_bound_drops_the_least_recently_used_recipe_first_then_the_oldest_en
     fill(current / "triton" / "k-old" / "kernel", 300_000, 100.0)
     fill(current / "triton" / "k-new" / "kernel", 300_000, 3000.0)
     fill(current / "neo" / "a.l0_cache", 100_000, 2500.0)
+    fill(current / lasting.STARTED, 0, 3000.0)
     mine = root / "notes"  # not a recipe's: never counted, never removed
     fill(mine / "readme", 10, 1.0)
     bound = 500_000
@@ -153,6 +169,7 @@ def test_the_bound_drops_the_least_recently_used_recipe_first_then_the_oldest_en
     assert (current / "neo" / "a.l0_cache").exists()
     assert (mine / "readme").exists()
     assert lasting.size_of(current) <= bound
+    assert not (current / lasting.STARTED).exists()  # less than its starts left: not warm
 
 
 def test_install_removes_the_recipes_no_longer_installed_and_nothing_else(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ class Prepared:
     """What the guard found and did before a start."""
 
     verdict: str  # "warm": it holds an earlier start's artifacts; "cold": it does not, or
-    # cannot be used (`problem`)
+    # cannot be used (`problem`); "none": earlier starts kept nothing (nothing compiles here)
     folder: Path
     held_bytes: int = 0
     problem: str = ""
@@ -98,6 +98,10 @@ class Prepared:
             return f"{LINE} cold: {self.folder} {self.problem}; this start keeps nothing"
         if self.verdict == "warm":
             return f"{LINE} warm: {self.folder} holds {mib(self.held_bytes)} from earlier starts"
+        if self.verdict == "none":
+            return (
+                f"{LINE} none: {self.folder} is empty after earlier starts: nothing compiles here"
+            )
         return f"{LINE} cold: {self.folder} holds nothing yet; this start fills it"
 
 
@@ -120,7 +124,7 @@ def prepare(
         (folder / STAMP).touch()
     _write_env(env_file, {})
     held = size_of(folder)
-    verdict = "warm" if is_warm(folder, facts) else "cold"
+    verdict = "warm" if is_warm(folder, facts) else "none" if was_started(folder) else "cold"
     return Prepared(verdict, folder, held, dropped=dropped)
 
 
@@ -252,6 +256,7 @@ def bound(root: Path, max_bytes: int, keep: Path, facts: EngineFacts) -> list[st
         if _remove(entry):
             total -= n
             dropped.append(f"{entry.relative_to(root)} ({mib(n)})")
+            _remove(keep / STARTED)  # it holds less than its starts left: not warm for sure
     return dropped
 
 
@@ -316,7 +321,7 @@ def judge_start(text: str, facts: EngineFacts, compiles: bool = True) -> StartCa
         return StartCache("cold", cause, init_s, compile_s, (said,))
     if engine is not None and engine.verdict in ("warm", "cold"):
         return engine
-    if not compiles:
+    if not compiles or verdict == "none":
         return StartCache("none", "", init_s, compile_s, (said,)) if said or engine else None
     if verdict == "warm":
         return StartCache("warm", "", init_s, compile_s, (said,))

@@ -344,5 +344,5 @@ def start_note(runtime: str, start: dict[str, Any]) -> str:
     if start["verdict"] == "warm":
         return f"{runtime} started warm: it loaded what an earlier start compiled{took}"
     if start["verdict"] == "none":
-        return f"{runtime} started without compiling (its recipe compiles nothing){took}"
+        return f"{runtime} started; it compiles nothing here, so no cache to warm{took}"
     return f"{runtime} started cold: {start.get('cause') or 'nothing kept yet'}{took}"
