@@ -304,7 +304,15 @@ def show(figures: list[dict[str, Any]]) -> str:
         return "-" if v is None else f"{v:.1f}"
 
     head = "  ".join(f"{m + ' p50/p95/p99 s':>28}" for m in MODELS)
-    wide = max([9, *(len(f["policy"]) + 6 for f in figures if f.get("replays") or f.get("replay"))])
+    wide = max(
+        [
+            9,
+            *(
+                len(f["policy"]) + (6 if f.get("replays") or f.get("replay") else 0)
+                for f in figures
+            ),
+        ]
+    )
     lines = [f"{'order':<{wide}} {'swaps':>5}  {head}  {'tok/s':>6} {'failed':>6} {'cut':>4}"]
     for f in figures:
         cells = "  ".join(
