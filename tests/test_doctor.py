@@ -189,6 +189,19 @@ def test_a_healthy_host_passes_every_check(host: Host) -> None:
         "tp: cache",
     }
     assert checks["tp: cache"][0]["detail"].startswith("cold: no start of the installed recipe")
+    assert "IGC_" not in str(checks["tp: cache"])
+
+
+def test_an_igc_variable_is_named_for_the_kernel_cache_it_turns_off(host: Host) -> None:
+    host.text = host.text.replace(
+        'engine = "llamacpp"', 'engine = "llamacpp"\nenv = { IGC_EnableDPEmulation = "1" }', 1
+    )
+    checks = host.checks()
+    (cache,) = checks["llamacpp: cache"]
+    assert cache["ok"]
+    assert "warning: IGC_EnableDPEmulation set: Intel's compute runtime 25.31 to 26.31" in str(
+        cache["detail"]
+    )
     assert len(checks["xe driver"]) == 2
     calls = host.calls.read_text()
     assert "image inspect --format {{.Id}} ghcr.io/x/vllm:1" in calls

@@ -148,6 +148,12 @@ def cache_checks(config: Config, scope: Scope, root: Path) -> list[Check]:
                 f"cold: no start of the installed recipe yet ({held} at {folder}); "
                 f"`b70ctl install` warms it, or `b70ctl switch {name}`"
             )
+        igc = sorted(k for k in rt.env if k.startswith("IGC_"))
+        if igc:  # intel/compute-runtime commit 6975f7bb, in its releases 25.31 to 26.31
+            detail += (
+                f"; warning: {', '.join(igc)} set: Intel's compute runtime 25.31 to 26.31 keeps "
+                "no kernels while any IGC_ variable is set, so on those drivers each start JITs"
+            )
         out.append(Check(f"{name}: cache", True, detail))
     out += [Check("proxy: hold", True, "warning: " + w) for w in hold_warnings(config, lay)]
     return out
