@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from b70tools.demo_appliance import Demo, demo_appliance
+from b70tools.demo_appliance import Demo, demo_appliance, recipe_folder
 
 CACHE = os.environ.get("B70_CACHE", str(Path.home() / ".cache" / "b70"))
 INIT = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
@@ -35,14 +35,6 @@ def b70ctl(demo: Demo, *args: str) -> dict[str, Any]:
         raise SystemExit(f"b70ctl {' '.join(args)}: {doc['error']['message']}")
     result: dict[str, Any] = doc["result"]
     return result
-
-
-def recipe_folder(demo: Demo) -> Path:
-    """vLLM's recipe folder, as its unit's guard names it (--cache %C/b70-vllm/RECIPE)."""
-    unit = Path(demo.env["XDG_CONFIG_HOME"]) / "systemd" / "user" / "b70-vllm.service"
-    pre = [line for line in unit.read_text().splitlines() if line.startswith("ExecStartPre=")]
-    words = pre[-1].split()
-    return Path(words[words.index("--cache") + 1].replace("%C", demo.env["XDG_CACHE_HOME"]))
 
 
 def start(demo: Demo, label: str, log: Any) -> dict[str, Any]:
@@ -97,7 +89,7 @@ def main() -> None:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     rows = []
     with demo_appliance(CACHE, prefix="b70-bench-cache.", threads=1, compiled=True) as demo:
-        folder = recipe_folder(demo)
+        folder = recipe_folder(demo.env, "vllm")
         shutil.rmtree(folder, ignore_errors=True)  # the cache emptied
         rows.append(start(demo, "cold (cache emptied)", log))
         for n in range(1, args.starts + 1):

@@ -161,3 +161,12 @@ def _demo_appliance(
         subprocess.run([*demo.b70ctl, "uninstall", "--purge"], env=env, capture_output=True)
         subprocess.run([USER_MANAGER, "stop", str(root / "mgr")], env=env)
         shutil.rmtree(root, ignore_errors=True)  # its config, journal and state, now unused
+
+
+def recipe_folder(env: dict[str, str], runtime: str) -> Path:
+    """A runtime's recipe folder in its lasting cache, as its installed unit's guard names it
+    (`--cache %C/b70-NAME/RECIPE`), on the host of the manager whose environment `env` is."""
+    unit = Path(env["XDG_CONFIG_HOME"]) / "systemd" / "user" / f"b70-{runtime}.service"
+    pre = [line for line in unit.read_text().splitlines() if line.startswith("ExecStartPre=")]
+    words = pre[-1].split()
+    return Path(words[words.index("--cache") + 1].replace("%C", env["XDG_CACHE_HOME"]))

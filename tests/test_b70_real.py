@@ -17,7 +17,7 @@ import pytest
 
 from appliance.host import gpu
 from appliance.measure import capacity
-from b70tools import b70_engine
+from b70tools import b70_engine, demo_appliance
 from b70tools.b70_appliance import standin_text
 from b70tools.net import free_port
 from tests.conftest import CACHE, Appliance, appliance_on_cards
@@ -240,15 +240,7 @@ def test_the_monitor_does_not_take_a_long_start_by_hand_for_a_hang(b70: B70) -> 
 
 
 def recipe_folder(app: Appliance, runtime: str) -> Path:
-    """The runtime's recipe folder in its lasting cache, as its unit's guard names it."""
-    units = Path(app.manager.env["XDG_CONFIG_HOME"]) / "systemd" / "user"
-    pre = [
-        line
-        for line in (units / f"b70-{runtime}.service").read_text().splitlines()
-        if line.startswith("ExecStartPre=")
-    ]
-    words = pre[-1].split()
-    return Path(words[words.index("--cache") + 1].replace("%C", app.manager.env["XDG_CACHE_HOME"]))
+    return demo_appliance.recipe_folder(app.manager.env, runtime)
 
 
 def empty_cache(app: Appliance, runtime: str) -> None:

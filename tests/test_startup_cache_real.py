@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from appliance.engines import lasting
-from b70tools.demo_appliance import demo_text
+from b70tools.demo_appliance import demo_text, recipe_folder
 from tests.conftest import (
     CACHE,
     Appliance,
@@ -21,13 +21,6 @@ from tests.conftest import (
     running_manager,
 )
 from tests.conftest import free_port as port
-
-
-def recipe_folder(cache_home: Path, unit_text: str) -> Path:
-    """The recipe's folder the unit's guard readies (`--cache %C/b70-NAME/RECIPE`), on the host."""
-    pre = [line for line in unit_text.splitlines() if line.startswith("ExecStartPre=")][-1]
-    words = pre.split()
-    return Path(words[words.index("--cache") + 1].replace("%C", str(cache_home)))
 
 
 def files(folder: Path) -> set[str]:
@@ -53,17 +46,11 @@ def demo(tmp_path: Path, compiled: bool, *install: str) -> Iterator[tuple[Manage
         yield manager, app
 
 
-def unit_text(manager: Manager, runtime: str) -> str:
-    return (
-        Path(manager.env["XDG_CONFIG_HOME"]) / f"systemd/user/b70-{runtime}.service"
-    ).read_text()
-
-
 def test_a_second_vllm_start_finds_what_the_first_compiled(tmp_path: Path) -> None:
     """install --warm compiles vLLM once; the next start through a switch is warm: vLLM compiles
     no kernel its first start had not left in the folder, and says of no load failure."""
     with demo(tmp_path, True, "--warm") as (manager, app):
-        folder = recipe_folder(Path(manager.env["XDG_CACHE_HOME"]), unit_text(manager, "vllm"))
+        folder = recipe_folder(manager.env, "vllm")
         # install warmed vLLM, then handed back to the default runtime
         assert app.json("status")["result"]["active_runtime"] == "llamacpp"
         assert (folder / lasting.STARTED).is_file()
@@ -92,7 +79,7 @@ def test_a_second_vllm_start_finds_what_the_first_compiled(tmp_path: Path) -> No
 
 def test_a_cache_folder_that_cannot_be_written_starts_cold_not_failed(tmp_path: Path) -> None:
     with demo(tmp_path, False) as (manager, app):
-        folder = recipe_folder(Path(manager.env["XDG_CACHE_HOME"]), unit_text(manager, "llamacpp"))
+        folder = recipe_folder(manager.env, "llamacpp")
         assert (folder / "neo").is_dir() and (folder / "sycl").is_dir()
         # the recipe's folder becomes a file: nothing can be made or written in it
         for path in sorted(folder.rglob("*"), reverse=True):
@@ -116,14 +103,14 @@ def test_a_cache_folder_that_cannot_be_written_starts_cold_not_failed(tmp_path: 
 def test_install_removes_the_cache_of_a_recipe_no_longer_installed(tmp_path: Path) -> None:
     with demo(tmp_path, False) as (manager, app):
         cache_home = Path(manager.env["XDG_CACHE_HOME"])
-        old = recipe_folder(cache_home, unit_text(manager, "llamacpp"))
+        old = recipe_folder(manager.env, "llamacpp")
         assert old.is_dir()
         app.b70ctl("switch", "vllm", check=True)  # llama.cpp does not run: its folder may go
         text = app.config.read_text()
         app.config.write_text(text.replace('"-c", "2048"', '"-c", "1024"'))
         out = app.json("install")
         assert out["ok"], out
-        new = recipe_folder(cache_home, unit_text(manager, "llamacpp"))
+        new = recipe_folder(manager.env, "llamacpp")
         assert new != old and not old.exists()
         assert any(str(old) in note for note in out["result"]["notes"]), out["result"]
     assert not (cache_home / "b70-llamacpp").exists()  # uninstall --purge

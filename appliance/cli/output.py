@@ -152,7 +152,7 @@ def _last_switch_lines(last: dict[str, Any] | None) -> list[str]:
         lines.append("  " + last["error"].splitlines()[0])
     start = last.get("start")
     if isinstance(start, dict) and start.get("verdict"):  # its lasting cache (engines.lasting)
-        from appliance.switch.executor import start_note
+        from appliance.engines.lasting import start_note
 
         lines.append("  " + start_note(last["to"], start))
     return lines

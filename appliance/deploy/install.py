@@ -289,10 +289,8 @@ def prune_caches(
     keep = cache_recipes(config)
     removed = []
     for unit in dropped:
-        folder = lay.cache_root / cache_name(unit)
-        if unit.endswith(".service") and folder.is_dir() and not folder.is_symlink():
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(str(folder))
+        if (gone := remove_cache(lay, unit, [])) is not None:  # a failure: kept for next time
+            removed.append(gone)
     for rt in config.runtimes.values():
         name = cache_name(rt.unit)
         if name not in keep or sd.properties(rt.unit).active_state in ("active", "activating"):
@@ -430,14 +428,21 @@ def uninstall(config: Config, scope: Scope, purge: bool) -> UninstallResult:
     return result
 
 
+def remove_cache(lay: Layout, unit: str, failed: list[str]) -> str | None:
+    """A unit's CacheDirectory= (compiled kernels, LiteLLM's), removed; its path where it went
+    whole, else what could not go is added to `failed`."""
+    cache = lay.cache_root / cache_name(unit)
+    if not (unit.endswith(".service") and cache.is_dir() and not cache.is_symlink()):
+        return None
+    before = len(failed)
+    shutil.rmtree(cache, onerror=lambda _f, p, e: failed.append(f"{p}: {e[1]}"))
+    return str(cache) if len(failed) == before else None  # else the failures name what is left
+
+
 def _purge(units: list[str], lay: Layout, result: UninstallResult) -> None:
-    for unit in units:  # each unit's CacheDirectory= (compiled kernels, LiteLLM's)
-        cache = lay.cache_root / cache_name(unit)
-        if unit.endswith(".service") and cache.is_dir() and not cache.is_symlink():
-            failed = len(result.failed)
-            shutil.rmtree(cache, onerror=lambda _f, p, e: result.failed.append(f"{p}: {e[1]}"))
-            if len(result.failed) == failed:  # else the failures name what is left
-                result.removed.append(str(cache))
+    for unit in units:
+        if (cache := remove_cache(lay, unit, result.failed)) is not None:
+            result.removed.append(cache)
     if lay.key_file.exists():
         lay.key_file.unlink()
         result.removed.append(str(lay.key_file))

@@ -133,7 +133,7 @@ def cache_checks(config: Config, scope: Scope, root: Path) -> list[Check]:
     out = []
     for name, rt in sorted(config.runtimes.items()):
         folder = folders[name]
-        state = lasting.state(folder, engines.of(rt.engine))
+        state = lasting.state(folder)
         held = lasting.mib(state.held_bytes)
         if rt.cache_max_bytes == 0:
             detail = "off (cache_max_gib = 0): every start compiles"

@@ -27,6 +27,7 @@ import shutil
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from appliance.config import RuntimeConfig
 from appliance.engines.facts import EngineFacts, StartCache
@@ -267,26 +268,22 @@ def prune(root: Path, keep: Collection[str]) -> list[Path]:
 
 @dataclass(frozen=True)
 class CacheState:
-    """A recipe's folder as doctor and status show it. warm: it holds what only a compiling
-    start leaves; started: a start of the recipe succeeded with it."""
+    """A recipe's folder as doctor shows it. started: a start of the recipe succeeded with it;
+    readable: False where the folder is its runtime user's alone (not root's)."""
 
     folder: Path
     held_bytes: int
-    warm: bool
     started: bool
-    last_used: float | None
-    readable: bool = True  # False: the folder is its runtime user's alone (not root's)
+    readable: bool = True
 
 
-def state(folder: Path, facts: EngineFacts) -> CacheState:
+def state(folder: Path) -> CacheState:
     try:
         if not folder.is_dir():
-            return CacheState(folder, 0, False, False, None)
-        used = (folder / STAMP).stat().st_mtime if (folder / STAMP).exists() else None
-        warm = is_warm(folder, facts)
-        return CacheState(folder, size_of(folder), warm, was_started(folder), used)
+            return CacheState(folder, 0, False)
+        return CacheState(folder, size_of(folder), was_started(folder))
     except PermissionError:
-        return CacheState(folder, 0, False, False, None, readable=False)
+        return CacheState(folder, 0, False, readable=False)
 
 
 def mark_started(folder: Path) -> None:
@@ -328,3 +325,19 @@ def judge_start(text: str, facts: EngineFacts, compiles: bool = True) -> StartCa
     if verdict == "cold":
         return StartCache("cold", "nothing kept yet", init_s, compile_s, (said,))
     return engine
+
+
+def start_note(runtime: str, start: Mapping[str, Any]) -> str:
+    """One line of what a start found in its lasting cache (a switch record's `start`), as the
+    switch and `status` print it."""
+    timed = []
+    if start.get("init_s") is not None:
+        timed.append(f"init engine {start['init_s']:g} s")
+    if start.get("compile_s") is not None:
+        timed.append(f"compilation {start['compile_s']:g} s")
+    took = f" ({', '.join(timed)})" if timed else ""
+    if start["verdict"] == "warm":
+        return f"{runtime} started warm: it loaded what an earlier start compiled{took}"
+    if start["verdict"] == "none":
+        return f"{runtime} started; it compiles nothing here, so no cache to warm{took}"
+    return f"{runtime} started cold: {start.get('cause') or 'nothing kept yet'}{took}"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from appliance.config import Config
+from appliance.engines import lasting
 from appliance.errors import ApplianceError
 from appliance.hold import Mark
 from appliance.host import failures
@@ -206,7 +207,7 @@ class Executor:
         # requests went on (the hold ends with the enable step)
         self.started = self.edges.start_cache(self.target, self.started_at)
         if self.started:
-            self.notes.append(start_note(self.target, self.started))
+            self.notes.append(lasting.start_note(self.target, self.started))
         received = self.interrupts.received
         done = self.result(ok=True, error=self.unenabled)
         unrecorded = self.record(done, interrupted=received is not None)
@@ -331,18 +332,3 @@ class Executor:
             code="switch_failed",
             details={"switch": result.record(self.clock.time()), "journal": journal},
         ) from failure
-
-
-def start_note(runtime: str, start: dict[str, Any]) -> str:
-    """One line of what a start found in its lasting cache, as the switch prints it."""
-    timed = []
-    if start.get("init_s") is not None:
-        timed.append(f"init engine {start['init_s']:g} s")
-    if start.get("compile_s") is not None:
-        timed.append(f"compilation {start['compile_s']:g} s")
-    took = f" ({', '.join(timed)})" if timed else ""
-    if start["verdict"] == "warm":
-        return f"{runtime} started warm: it loaded what an earlier start compiled{took}"
-    if start["verdict"] == "none":
-        return f"{runtime} started; it compiles nothing here, so no cache to warm{took}"
-    return f"{runtime} started cold: {start.get('cause') or 'nothing kept yet'}{took}"
