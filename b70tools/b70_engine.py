@@ -341,7 +341,7 @@ def vllm_engine(args: list[str]) -> Engine:
     share = int(serve.gpu_memory_utilization * capacity.B70_TOTAL_BYTES)
     held = min(share, capacity.B70_VISIBLE_BYTES)
     if serve.kv_cache_memory_bytes:
-        held = weights + p.profile_bytes + serve.kv_cache_memory_bytes
+        held = sum(t.bytes for t in p.budget.terms) + serve.kv_cache_memory_bytes
     lines = startlog.plan_log(p)
     places = serve.max_num_seqs or capacity.DEFAULT_MAX_SEQS
     info = {

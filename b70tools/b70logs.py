@@ -43,3 +43,20 @@ LOGS = [
 
 # Logged weights on each card ("Model loading took"), where the log states them.
 WEIGHTS = {"L1": 8.42, "L8": 24.9, "L9": 12.6, "L10": 19.66, "L11": 14.13}
+
+# The vLLM release each log ran, as the plan takes it: L1 "version 0.23.0", L8 and L9 0.24.0
+# (their logs); L10 a build of vLLM's main from June 2026 ("0.1.dev1+gd272418f4"), before
+# getMemoryInfo came in 0.26, taken as 0.23; L11 Intel's llm-scaler 0.21.0-b1 (torch 2.11);
+# L16 "0.27.2rc1.dev77" (its cache was pinned, so only the paging is held against it).
+RELEASES = {"L1": "0.23", "L8": "0.24", "L9": "0.24", "L10": "0.23", "L11": "0.21", "L16": "0.27"}
+
+# The seed recipe (examples/b70.toml) on one B70 in the B70 image (vLLM 0.31): with the fp32 GDN
+# state its cache filled at 61 requests of 1,024 tokens (the seed's own measurement).
+SEED = (
+    "Qwen-Qwen3.6-35B-A3B",
+    ["--quantization", "gptq", "--dtype", "float16", "--kv-cache-dtype", "fp8",
+     "--max-model-len", "16384", "--gpu-memory-utilization", "0.82", "--max-num-seqs", "64",
+     "--max-num-batched-tokens", "8192", "--language-model-only", "--cpu-offload-gb", "4",
+     "--cpu-offload-params", "embed_tokens", "--no-enable-prefix-caching"],
+    1024, 61, "0.31",
+)  # fmt: skip

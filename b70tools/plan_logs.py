@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from appliance.measure import capacity, serveflags
-from b70tools.b70logs import GIB, LOGS, WEIGHTS
+from b70tools.b70logs import GIB, LOGS, RELEASES, WEIGHTS
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "b70"
 
@@ -18,11 +18,14 @@ def main() -> None:
     for name, config, flags, available, tokens, concurrency, *_ in LOGS:
         cfg = json.loads((FIXTURES / f"{config}.json").read_text())
         serve = serveflags.parse(flags)
-        given = capacity.plan(cfg, serve, cache_bytes=int(available * GIB))
-        alone = capacity.plan(cfg, serve)
+        release = capacity.parse_version(RELEASES[name])
+        given = capacity.plan(cfg, serve, cache_bytes=int(available * GIB), vllm_version=release)
+        alone = capacity.plan(cfg, serve, vllm_version=release)
         logged_w = WEIGHTS.get(name)
         weighed = (
-            capacity.plan(cfg, serve, weights_per_card=int(logged_w * GIB)).available_kv_bytes
+            capacity.plan(
+                cfg, serve, weights_per_card=int(logged_w * GIB), vllm_version=release
+            ).available_kv_bytes
             / GIB if logged_w is not None else None
         )  # fmt: skip
         print(

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from appliance.cli import cli
-from b70tools.b70logs import GIB, LOGS, WEIGHTS
+from b70tools.b70logs import GIB, LOGS, RELEASES, WEIGHTS
 
 B70 = Path(__file__).parent / "fixtures" / "b70"
 
@@ -26,7 +26,7 @@ def plan(config: str, *args: str) -> dict[str, object]:
 @pytest.mark.parametrize("case", LOGS, ids=[c[0] for c in LOGS])
 def test_the_plan_given_the_logged_cache_prints_what_vllm_printed(case: tuple) -> None:  # type: ignore[type-arg]
     name, config, flags, available, tokens, concurrency, block, padding, source = case
-    doc = plan(config, *flags, "--kv-cache-gib", str(available))
+    doc = plan(config, *flags, "--kv-cache-gib", str(available), "--vllm-version", RELEASES[name])
     assert doc["kv_cache_tokens"] == pytest.approx(tokens, rel=0.01), source
     if concurrency is not None:
         # L1 is 0.15 apart: the planned 708 blocks of 17.98 GiB against the 706 that 54.31x
@@ -47,11 +47,16 @@ WEIGHED = [c for c in LOGS if c[0] in WEIGHTS]
 
 @pytest.mark.parametrize("case", WEIGHED, ids=[c[0] for c in WEIGHED])
 def test_the_cache_from_the_flags_and_the_logged_weights_is_within_5_percent(case: tuple) -> None:  # type: ignore[type-arg]
-    """Without the logged cache: vLLM's share of the card, less the weights the log states and
-    what the profile keeps back, is the cache vLLM logged, within 5%."""
+    """Without the logged cache: vLLM's share of the card as the log's release takes it, less
+    the weights the log states and what the profile keeps back, is the cache vLLM logged,
+    within 5%, and inside the range the plan gives."""
     name, config, flags, available, *_, source = case
-    doc = plan(config, *flags, "--weights-gib", str(WEIGHTS[name]))
+    doc = plan(
+        config, *flags, "--weights-gib", str(WEIGHTS[name]), "--vllm-version", RELEASES[name]
+    )
     assert doc["available_kv_bytes"] / GIB == pytest.approx(available, rel=0.05), source
+    budget = doc["budget"]
+    assert budget["least"] <= available * GIB <= budget["most"]  # type: ignore[index]
 
 
 @pytest.mark.parametrize("name", ["L1", "L11"])
@@ -62,18 +67,22 @@ def test_the_cache_from_the_flags_alone_is_within_5_percent_where_the_weights_ar
     vision tower L11 loads and L1's `--limit-mm-per-prompt` of 0 leaves out), the flags alone
     give the cache within 5%."""
     _, config, flags, available, *_, source = next(c for c in LOGS if c[0] == name)
-    doc = plan(config, *flags)
+    doc = plan(config, *flags, "--vllm-version", RELEASES[name])
     assert doc["weight_bytes_per_card"] / GIB == pytest.approx(WEIGHTS[name], rel=0.03), source
     assert doc["available_kv_bytes"] / GIB == pytest.approx(available, rel=0.05), source
 
 
-def test_l19_at_vllm_s_defaults_leaves_no_cache_as_it_logged() -> None:
-    """intel/llm-scaler#672: Qwen3.8-27B in BF16 on two B70s logged "Available KV cache memory:
-    -0.61 GiB". Its flags beyond the two cards were not given; at vLLM's defaults (0.92, 256
-    sequences, the vision tower loaded) the plan, fitted without it, leaves none either."""
-    doc = plan("Qwen-Qwen3.8-27B", "--tensor-parallel-size", "2")
-    assert doc["available_kv_bytes"] / GIB == pytest.approx(-0.61, abs=0.3)  # type: ignore[operator]
-    assert doc["fits"] is False
+def test_l19_at_vllm_s_defaults_leaves_no_cache_and_the_range_holds_what_it_logged() -> None:
+    """intel/llm-scaler#672: Qwen3.8-27B in BF16 on two B70s, in a 0.26 image, logged
+    "Available KV cache memory: -0.61 GiB". Its flags beyond the two cards were not given; at
+    vLLM's defaults (0.92, 256 sequences, the vision tower loaded) the older rule leaves none,
+    and the range of the 0.26 plan, which holds both rules, holds the logged figure."""
+    older = plan("Qwen-Qwen3.8-27B", "--tensor-parallel-size", "2", "--vllm-version", "0.24")
+    assert older["available_kv_bytes"] / GIB == pytest.approx(-0.61, abs=0.3)  # type: ignore[operator]
+    assert older["fits"] is False
+    newer = plan("Qwen-Qwen3.8-27B", "--tensor-parallel-size", "2", "--vllm-version", "0.26")
+    budget = newer["budget"]
+    assert budget["least"] <= -0.61 * GIB <= budget["most"]  # type: ignore[index]
 
 
 def test_a_media_limit_of_0_for_every_modality_leaves_the_vision_tower_out() -> None:

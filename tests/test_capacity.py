@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from appliance import GIB
 from appliance.cli import cli
 from appliance.errors import ApplianceError
-from appliance.measure import capacity, paging, serveflags
-from appliance.measure import shape as model_shape
+from appliance.measure import capacity, serveflags
+from appliance.measure.memory import budget, paging
+from appliance.measure.memory import shape as model_shape
 
 HYBRID = Path(__file__).parent / "fixtures" / "hybrid-moe-config.json"
 MIB = 1024**2
@@ -74,7 +77,7 @@ def test_expected_distinct_experts() -> None:
     assert capacity.distinct_experts(256, 8, 10_000) == pytest.approx(256)
 
 
-# --- vLLM's layout of the cache (appliance.measure.paging) ------------------------------------------------
+# --- vLLM's layout of the cache (appliance.measure.memory.paging) ------------------------------------------------
 
 # Qwen3-Next-80B-A3B's shape: 48 layers, every 4th full attention.
 NEXT_80B = {**cfg(), "num_hidden_layers": 48, "vocab_size": 151936}
@@ -236,14 +239,16 @@ def test_the_start_up_profile_peak_of_the_recipe_by_hand() -> None:
     """8192 tokens at once, 8 experts each (R = 65536 rows), hidden 2048, expert width 512, in
     fp16: regrouped rows 256 MiB, gate-up 128 MiB, activation 64 MiB, down 256 MiB, three
     8192 x 2048 copies 96 MiB; beside them the hidden states and the residual, 64 MiB. The MoE
-    layer is the largest (a GDN layer's projections are 320 MiB); the sampler's 64 x 248320 fp32
-    logits (61 MiB) are smaller."""
+    layer is the largest (a GDN layer's projections are 320 MiB). The sampler keeps three fp32
+    rows of the 248,320-token vocabulary for each of 64 requests: 182 MiB."""
     s = model_shape.parse_shape(cfg())
-    peak = capacity.profile_peak_bytes(s, 1, 8192, 64, "fp16")
+    peak = budget.activation_bytes(s, 1, 8192, "fp16")
     assert peak == (256 + 128 + 64 + 256 + 96 + 64) * MIB
-    assert capacity.profile_peak_bytes(s, 1, 0, 64, "fp16") == 0
-    two = capacity.profile_peak_bytes(s, 2, 8192, 64, "fp16")
+    assert budget.activation_bytes(s, 1, 0, "fp16") == 0
+    two = budget.activation_bytes(s, 2, 8192, "fp16")
     assert two == (256 + 64 + 32 + 256 + 96 + 64) * MIB, "the experts' width splits over cards"
+    assert budget.sampler_bytes(s, 64, 8192) == 64 * 248_320 * 4 * 3
+    assert budget.sampler_bytes(s, 256, 16) == 16 * 248_320 * 4 * 3, "one request per token"
 
 
 def serve(flags: str) -> serveflags.Serve:
@@ -295,34 +300,52 @@ def test_cards_split_the_weights_and_the_state() -> None:
         capacity.plan(cfg(), serve(RECIPE + " --tensor-parallel-size 3"))
 
 
-def test_the_start_up_profile_is_kept_from_the_cache() -> None:
-    peak = capacity.profile_peak_bytes(model_shape.parse_shape(cfg()), 1, 8192, 64, "fp16")
-    kept = capacity.plan(cfg(), serve(RECIPE), tokens=1024)
-    fewer = capacity.plan(cfg(), serve(RECIPE.replace("8192", "2048")), tokens=1024)
-    assert kept.profile_bytes == int(capacity.PROFILE_SCALE * peak)
+def terms(p: capacity.Plan) -> dict[str, int]:
+    return {t.key: t.bytes for t in p.budget.terms}
+
+
+def test_the_budget_is_what_vllm_asks_for_less_each_term() -> None:
+    """Every release: ceil(total x utilization), less each term the plan names; 0.31 takes a
+    B70 at vLLM's getMemoryInfo total (30.30 GiB), 0.24 at torch's (31.89 GiB)."""
+    for version, total in (("0.31", budget.GETMEMORYINFO_TOTAL), ("0.24", budget.TORCH_TOTAL)):
+        p = capacity.plan(cfg(), serve(RECIPE), vllm_version=capacity.parse_version(version))
+        assert p.budget.total == total
+        assert p.budget.requested == math.ceil(total * 0.82)
+        assert p.available_kv_bytes == p.budget.requested - sum(terms(p).values())
+        assert p.budget.least < p.available_kv_bytes < p.budget.most
+    fewer = capacity.plan(cfg(), serve(RECIPE.replace("8192", "2048")))
+    kept = capacity.plan(cfg(), serve(RECIPE))
     more = fewer.available_kv_bytes - kept.available_kv_bytes
-    assert more == kept.profile_bytes - fewer.profile_bytes and more > 0
+    assert more == terms(kept)["activations"] - terms(fewer)["activations"] > 0
 
 
-def test_each_sequence_and_a_second_card_are_kept_from_the_cache_as_the_logs_show() -> None:
+def test_before_0_26_each_sequence_and_a_second_card_are_kept_as_the_logs_show() -> None:
     """The B70 logs' cache shrinks with --max-num-seqs (L10's 128 against L8's 4) and with a
     second card; past the 128 sequences the logs reach the plan does not extrapolate."""
-    at = {n: capacity.plan(cfg(), serve(RECIPE.replace("--max-num-seqs 64", f"--max-num-seqs {n}")))
-          for n in (64, 128, 512)}  # fmt: skip
-    step = capacity.PER_SEQUENCE_BYTES * 64
-    assert at[64].available_kv_bytes - at[128].available_kv_bytes == pytest.approx(step, abs=2**20)
-    assert at[128].available_kv_bytes - at[512].available_kv_bytes == pytest.approx(
-        int(capacity.PROFILE_SCALE * capacity.profile_peak_bytes(
-            model_shape.parse_shape(cfg()), 1, 8192, 512, "fp16")) - at[128].profile_bytes,
-        abs=2**20,
-    )  # fmt: skip
-    one = capacity.plan(cfg(), serve(RECIPE))
-    two = capacity.plan(cfg(), serve(RECIPE + " -tp 2"))
-    spent_one = int(0.82 * capacity.B70_TOTAL_BYTES) - one.available_kv_bytes
-    spent_two = int(0.82 * capacity.B70_TOTAL_BYTES) - two.available_kv_bytes
-    assert spent_two - (two.weight_bytes_per_card + two.profile_bytes) == (
-        spent_one - (one.weight_bytes_per_card + one.profile_bytes) + capacity.SECOND_CARD_BYTES
-    )
+    old = capacity.parse_version("0.24")
+    at = {
+        n: capacity.plan(cfg(), serve(RECIPE.replace("64", str(n), 1)), vllm_version=old)
+        for n in (64, 128, 512)
+    }
+    assert terms(at[128])["sequences"] - terms(at[64])["sequences"] == budget.FIT_PER_SEQUENCE * 64
+    assert terms(at[512])["sequences"] == terms(at[128])["sequences"]
+    two = capacity.plan(cfg(), serve(RECIPE + " -tp 2"), vllm_version=old)
+    assert terms(two)["second card"] == budget.FIT_SECOND_CARD
+    assert "second card" not in terms(at[64])
+
+
+def test_the_fitted_constants_are_what_the_fit_gives_on_the_logs() -> None:
+    """budget.py's fitted figures and their error are what b70tools.plan_fit prints from the
+    B70 logs, so a change to a worked-out term cannot leave them stale."""
+    from b70tools import plan_fit
+
+    rows = plan_fit.old_rows()
+    base, per_seq, second = plan_fit.fit(rows)
+    assert base * GIB == pytest.approx(budget.FIT_BASE, abs=0.001 * GIB)
+    assert per_seq * GIB == pytest.approx(budget.FIT_PER_SEQUENCE, abs=0.0005 * GIB)
+    assert second * GIB == pytest.approx(budget.FIT_SECOND_CARD, abs=0.001 * GIB)
+    low, high = plan_fit.seed_rest()
+    assert low * GIB <= budget.FIT_RUNTIME_NEW <= high * GIB
 
 
 def test_unknown_quantization_is_planned_unsure_and_a_bad_config_is_named() -> None:

@@ -306,16 +306,16 @@ def render_plan(p: Any, serve: Any = None, compared: Any = None) -> str:
             if p.cpu_offload_bytes
             else ""
         ),
-        f"profile on {card:<12}{size(p.profile_bytes)} (the peak of vLLM's start-up profile)",
-        f"held back on {card:<10}{size(p.held_back_bytes)} (for --max-num-seqs and a second "
-        "card, as the B70 logs show)",
         f"GDN state per request  {p.gdn_state_bytes / mib:.1f} MiB "
         f"(+ conv state {p.conv_state_bytes / mib:.2f} MiB)",
         f"KV cache per token     {p.kv_bytes_per_token / 1024:.1f} KiB",
-        f"cache layout           {g.attention_groups} attention + {g.state_groups} GDN group(s) "
+        f"cache layout           {g.attention_groups} attention + "
+        + (f"{g.window_groups} windowed + " if g.window_groups else "")
+        + f"{g.state_groups} GDN group(s) "
         f"of {g.group_size} layers, {g.blocks} blocks; {g.blocks_per_request} a request of "
         f"{tokens} tokens, {g.blocks_per_max_len} of {p.max_model_len:,}",
     ]
+    lines += budget_lines(p.budget, card)
     for step in p.steps:
         lines.append(
             f"decode step, batch {int(step['batch']):<4} {step['step_ms']:.2f} ms "
@@ -335,6 +335,28 @@ def render_plan(p: Any, serve: Any = None, compared: Any = None) -> str:
             rows.append(["(vLLM reported none of the figures the plan has)", "", "", ""])
         lines.append(table(rows))
     return "\n".join(lines)
+
+
+def _gib2(n: int) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def budget_lines(b: Any, card: str) -> list[str]:
+    """The cache's budget on each card, term by term, as the plan's vLLM release takes it."""
+    release = ".".join(str(n) for n in b.release)
+    if b.given:
+        return [f"cache on {card}          {_gib2(b.available)} (given: vLLM does not profile it)"]
+    lines = [
+        f"budget on {card} (vLLM {release}):",
+        f"  asks for         {_gib2(b.requested)} ({b.utilization:g} of {_gib2(b.total)})",
+    ]
+    for term in b.terms:
+        lines.append(f"  - {term.key:<14} {_gib2(term.bytes)} ({term.basis}: {term.what})")
+    lines.append(
+        f"  = cache          {_gib2(b.available)}, between {_gib2(b.least)} and {_gib2(b.most)} "
+        "by the fitted terms' error on the B70 logs"
+    )
+    return lines
 
 
 class ProgressBar:

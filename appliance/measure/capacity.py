@@ -1,10 +1,11 @@
 """Capacity math for `b70ctl plan`: what a model costs in memory and how fast it can decode.
 
-Pure functions of a Hugging Face config.json (its shape and byte costs: appliance.measure.shape) and
-the dtype and quantization choices:
+Pure functions of a Hugging Face config.json (its shape and byte costs:
+appliance.measure.memory.shape) and the dtype and quantization choices:
 
 - per card under tensor parallelism over `cards` cards: weights, what is offloaded to the CPU,
-  the cache budget, and the requests that fit as vLLM lays out its cache (appliance.measure.paging);
+  the cache budget (appliance.measure.memory.budget), and the requests that fit as vLLM lays
+  out its cache (appliance.measure.memory.paging);
 - the memory-bound decode step: bytes read per step / bandwidth (of all the cards; the
   all-reduce between them is not counted).
 """
@@ -20,8 +21,9 @@ from typing import Any
 
 from appliance import GIB
 from appliance.errors import ApplianceError
-from appliance.measure import paging, quant, serveflags
-from appliance.measure.shape import (  # fmt: skip
+from appliance.measure import serveflags
+from appliance.measure.memory import budget, paging, quant
+from appliance.measure.memory.shape import (  # fmt: skip
     DTYPE_BYTES,
     Params,
     Shape,
@@ -33,51 +35,8 @@ from appliance.measure.shape import (  # fmt: skip
     weight_bytes,
 )
 
-# vLLM's defaults for its OpenAI server on a card under 70 GiB (EngineArgs._set_default_args
-# in vllm/engine/arg_utils.py): the start-up profile runs this many tokens at once.
-DEFAULT_BATCHED_TOKENS = 2048
-DEFAULT_MAX_SEQS = 256
-
-
-def profile_peak_bytes(s: Shape, cards: int, batched_tokens: int, max_seqs: int, dtype: str) -> int:
-    """What vLLM's start-up profile holds at its peak beyond the weights, on each card: vLLM
-    keeps it back from the cache.
-
-    vLLM sizes the cache as utilization x total, less what the profile consumed and less its
-    transient peak (Worker.determine_available_memory in vllm/v1/worker/gpu_worker.py, which
-    the XPU worker uses; memory_profiling in vllm/utils/mem_utils.py). The profile is one
-    forward of `batched_tokens` tokens, then the sampler on `max_seqs` rows
-    (GPUModelRunner.profile_run, _dummy_run and _dummy_sampler_run in
-    vllm/v1/worker/gpu/model_runner.py). Activations live one layer at a time, so the peak is
-    the largest layer's, beside the hidden states and the residual:
-    - a MoE layer, as the XPU fused-MoE kernel lays it out (XpuFusedMoe._apply_kernel in
-      vllm-xpu-kernels' fused_moe_interface.py), for R = tokens x experts per token: the
-      tokens regrouped by expert (R x hidden), the gate-up output (R x 2 x intermediate), its
-      activation (R x intermediate), the down output (R x hidden), and three tokens x hidden
-      copies (the masked input, the output, the residual);
-    - a dense MLP: its gate-up output, activation and down output, the same way;
-    - a GDN layer: its input projection (in_proj_qkvz) and two value-wide outputs; the GDN
-      kernels themselves do not run in the profile (_gdn_attention_core_xpu_impl in
-      vllm/_xpu_ops.py returns without attention metadata);
-    - a full-attention layer: its q, k and v;
-    - the sampler's logits, in fp32.
-    What this does not hold: memory outside torch (the runtime's own), and the graph pool vLLM
-    estimates before the cache when it captures graphs."""
-    if batched_tokens <= 0:
-        return 0
-    m, b, h = batched_tokens, DTYPE_BYTES[dtype], s.hidden
-    if s.experts:
-        r, inter = m * s.experts_per_tok, -(-s.moe_inter // cards)
-        mlp = r * h + r * 2 * inter + r * inter + r * h + 3 * m * h
-    else:
-        inter = -(-s.dense_inter // cards)
-        mlp = m * 2 * inter + m * inter + m * h + 3 * m * h
-    key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
-    gdn = m * (2 * key_dim + 2 * value_dim) // cards + 2 * m * value_dim // cards
-    attention = m * (s.heads + 2 * s.kv_heads) * s.head_dim // cards
-    layer = max(mlp, gdn if s.linear_layers else 0, attention) * b + 2 * m * h * b
-    logits = max_seqs * s.vocab * 4
-    return int(max(layer, logits))
+DEFAULT_BATCHED_TOKENS = budget.DEFAULT_BATCHED_TOKENS
+DEFAULT_MAX_SEQS = budget.DEFAULT_MAX_SEQS
 
 
 def distinct_experts(experts: int, per_tok: int, batch: int) -> float:
@@ -100,8 +59,7 @@ class Plan:
     weight_bytes_per_card: int  # on the card: what vLLM logs as "Model loading took"
     cpu_offload_bytes: int  # per card
     available_kv_bytes: int  # per card: vLLM's "Available KV cache memory"
-    profile_bytes: int  # per card: the start-up profile's peak, kept back from the cache
-    held_back_bytes: int  # per card: what the logs show kept back beside (sequences, cards)
+    budget: budget.Budget  # per card: what vLLM asks for, keeps back, and leaves the cache
     requests_fit: int  # of `tokens`, as vLLM lays out the cache (paging)
     block_size: int
     state_padding: float
@@ -110,6 +68,8 @@ class Plan:
     max_model_len: int
     tokens: int
     fits: bool  # one request of the max model length fits
+    fits_at_most: bool  # it fits at the favourable end of the budget's range
+    fits_at_least: bool  # it fits at the unfavourable end
     longest_len: int  # the longest --max-model-len whose one request fits
     utilization_needed: float | None  # the --gpu-memory-utilization that holds one (None: none)
     available_given: bool  # the cache was given (logged, or --kv-cache-memory-bytes)
@@ -118,32 +78,13 @@ class Plan:
     steps: list[dict[str, float]]
 
 
-# The memory of one Arc Pro B70 as vLLM's XPU worker takes it for `--gpu-memory-utilization`:
-# torch's total for the device, 34,242,297,856 bytes (31.89 GiB), where Intel's runtime says
-# "usable global mem = 30.3 GiB" (clinfo). The B70 logs need the larger figure: L9 logged
-# 12.6 GiB of weights and a 14.1 GiB cache at 0.85, more than 0.85 x 30.3 = 25.76 GiB
-# (hotschmoe/b70_ai_things); L8 and L11 are the same. vLLM's XPU worker of those releases takes
-# `torch.xpu.mem_get_info()`'s total, counts 128 MiB outside torch on a client GPU, and keeps
-# back torch's peak allocation (XPUWorker.determine_available_memory, vllm/v1/worker/xpu_worker.py).
-B70_TOTAL_BYTES = 34_242_297_856
+# The memory of one Arc Pro B70: torch's total for it (34,242,297,856 bytes, 31.89 GiB), where
+# Intel's runtime says "usable global mem = 30.3 GiB" (clinfo) and vLLM from 0.26 reads 30.30 GiB
+# (appliance.measure.memory.budget has which release takes which).
+B70_TOTAL_BYTES = budget.TORCH_TOTAL
 B70_VISIBLE_BYTES = int(30.3 * GIB)  # what the card can hold: the stand-in's ceiling
-CARDS = {"b70": (B70_TOTAL_BYTES, 608e9)}  # Intel Arc Pro B70: 608 GB/s GDDR6
-# What vLLM keeps back beyond the weights, fitted to the B70 logs that state their weights (L1,
-# L8-L11: each within 4% given its logged weights) and the seed recipe's 61 requests; docs/plan.md
-# has the table:
-# - the activation estimate of profile_peak_bytes, times PROFILE_SCALE (torch's peak holds
-#   more than the largest layer's tensors: the residual stream, norms, the kernels' workspaces);
-# - PER_SEQUENCE_BYTES for each of --max-num-seqs, up to the 128 the logs reach (the sampler's
-#   rows over a 248,320-token vocabulary, and what else the logs show growing with it);
-# - SECOND_CARD_BYTES on each card once there are two or more (oneCCL's buffers);
-# - NON_TORCH_BYTES, a constant: none is left once the three above are counted.
-PROFILE_SCALE = 1.4
-PER_SEQUENCE_BYTES = int(0.028 * GIB)
-SEQUENCES_MEASURED = 128
-SECOND_CARD_BYTES = int(0.4 * GIB)
-NON_TORCH_BYTES = 0
-# vLLM's default --gpu-memory-utilization, and its defaults for a card under 70 GiB
-DEFAULT_UTILIZATION = 0.92
+CARDS = {"b70": 608e9}  # Intel Arc Pro B70: 608 GB/s GDDR6
+DEFAULT_UTILIZATION = budget.DEFAULT_UTILIZATION
 # vLLM releases before 0.20 count "GPU KV cache size" as blocks over groups x block size.
 NEW_TOKEN_COUNT = (0, 20)
 
@@ -170,36 +111,35 @@ def _config_value(cfg: Mapping[str, Any], key: str) -> Any:
     return cfg.get(key)
 
 
-def _unsure_shape(cfg: Mapping[str, Any]) -> list[str]:
-    notes = []
-    types = _config_value(cfg, "layer_types")
-    if isinstance(types, list):
-        odd = sorted({str(t) for t in types} - {"full_attention", "linear_attention"})
-        if odd:
-            notes.append(f"layer types {', '.join(odd)} are not ones the plan lays out")
-    if _config_value(cfg, "kv_lora_rank"):
-        notes.append("multi-head latent attention (kv_lora_rank) is not laid out by the plan")
-    if _config_value(cfg, "sliding_window") and not isinstance(types, list):
-        notes.append("sliding-window attention is laid out as full attention")
-    return notes
+def plan(cfg: Mapping[str, Any], *args: Any, **kwargs: Any) -> Plan:
+    """The plan (see `layout_plan`); a config.json the arithmetic cannot take (a field whose
+    value no model has) is "not planned", a clear error, never a crash."""
+    try:
+        return layout_plan(cfg, *args, **kwargs)
+    except (ArithmeticError, ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+        raise ApplianceError(
+            f"not planned: the plan cannot lay out this config.json ({type(e).__name__}: {e})",
+            hint="pass the model's Hugging Face config.json as published",
+            code="plan_input_invalid",
+        ) from None
 
 
-def plan(
+def layout_plan(
     cfg: Mapping[str, Any],
     serve: serveflags.Serve | None = None,
     *,
     tokens: int | None = None,
-    card_bytes: int = CARDS["b70"][0],
-    bandwidth: float = CARDS["b70"][1],
+    card_bytes: int | None = None,
+    bandwidth: float = CARDS["b70"],
     cache_bytes: int | None = None,
     weights_per_card: int | None = None,
     env: Mapping[str, str] | None = None,
     batches: tuple[int, ...] = (1, 64),
     block_align: int | None = None,
     vllm_version: tuple[int, ...] | None = None,
-    non_torch_bytes: int = NON_TORCH_BYTES,
 ) -> Plan:
-    """The plan of `vllm serve` with `serve`'s flags on a card of `card_bytes`.
+    """The plan of `vllm serve` with `serve`'s flags, as vLLM `vllm_version` (by default the
+    B70 image's) takes a B70, or a card of `card_bytes` as the runtime reports it.
 
     `cache_bytes`: the cache of each card as vLLM measured it ("Available KV cache memory"),
     instead of the budget worked out here; `weights_per_card`: the weights as vLLM logged them
@@ -207,7 +147,7 @@ def plan(
     `tokens`: the length of the requests whose count at once is `requests_fit`."""
     serve = serve or serveflags.Serve()
     s = parse_shape(cfg)
-    unsure = _unsure_shape(cfg)
+    unsure = list(s.notes)
     dtype = _dtype_name(serve.dtype, cfg)
     q = quant.resolve(cfg, serve.quantization, env)
     unsure += list(q.unsure)
@@ -252,32 +192,44 @@ def plan(
     tokens = tokens or max_len
     batched = serve.max_num_batched_tokens or DEFAULT_BATCHED_TOKENS
     seqs = serve.max_num_seqs or DEFAULT_MAX_SEQS
-    profile = int(PROFILE_SCALE * profile_peak_bytes(s, cards, batched, seqs, dtype))
     loaded = per_card - offload if weights_per_card is None else weights_per_card
-    utilization = serve.gpu_memory_utilization
-    held_back = non_torch_bytes + PER_SEQUENCE_BYTES * min(seqs, SEQUENCES_MEASURED)
-    held_back += SECOND_CARD_BYTES * (cards > 1)
-    kept = loaded + profile + held_back  # what is not the cache, on each card
     given = serve.kv_cache_memory_bytes or cache_bytes
-    available = given if given is not None else int(utilization * card_bytes) - kept
+    release = vllm_version or budget.DEFAULT_RELEASE
+    cache_budget = budget.budget(
+        s,
+        release=release,
+        utilization=serve.gpu_memory_utilization,
+        weights=loaded,
+        cards=cards,
+        batched_tokens=batched,
+        max_seqs=seqs,
+        dtype=dtype,
+        total=card_bytes,
+        given=given,
+        weights_basis="given" if weights_per_card is not None else "worked out",
+    )
+    kept = sum(term.bytes for term in cache_budget.terms)  # what is not the cache, on each card
+    available = cache_budget.available
     if block_align is None:
         block_align = paging.XPU_GDN_ALIGN
     prefix = serve.enable_prefix_caching is not False
     mode = serve.mamba_cache_mode or ("align" if prefix and s.linear_layers else "none")
     if mode == "all":
         unsure.append("mamba cache mode 'all' is laid out as 'align'")
-    old = vllm_version is not None and vllm_version < NEW_TOKEN_COUNT
+    old = release < NEW_TOKEN_COUNT
     layout = dict(
         cards=cards, kv_bytes=DTYPE_BYTES[kv_dtype], conv_bytes=DTYPE_BYTES[conv_dtype],
         state_bytes=DTYPE_BYTES[state_dtype], align=block_align, spec_tokens=spec,
         draft_layers=draft_layers, align_mode=mode != "none", max_model_len=max_len,
-        min_block=serve.block_size, old_token_count=old,
+        min_block=serve.block_size, old_token_count=old, batched_tokens=batched,
     )  # fmt: skip
     pages = paging.layout(s, tokens=tokens, available_bytes=available, **layout)  # type: ignore[arg-type]
     fits = pages.needed_bytes <= available
+    fits_at_most = pages.needed_bytes <= cache_budget.most
+    fits_at_least = pages.needed_bytes <= cache_budget.least
     need = None
     if given is None:
-        need = (kept + pages.needed_bytes) / card_bytes
+        need = (kept + pages.needed_bytes) / cache_budget.total
         need = math.ceil(need * 100) / 100 if need <= 1 else None
     per_expert, active = _active_params(s, p)
     scale = weights / p.total if p.total else 0.0
@@ -289,11 +241,11 @@ def plan(
         params=p.total, active_params_per_token=active, weight_bytes=weights,
         gdn_state_bytes=gdn, conv_state_bytes=conv, kv_bytes_per_token=kv,
         request_bytes=gdn + conv + kv * tokens, cards=cards, weight_bytes_per_card=loaded,
-        cpu_offload_bytes=offload, available_kv_bytes=available, profile_bytes=profile,
-        held_back_bytes=held_back,
+        cpu_offload_bytes=offload, available_kv_bytes=available, budget=cache_budget,
         requests_fit=pages.requests_fit, block_size=pages.block_size,
         state_padding=pages.state_padding, kv_cache_tokens=pages.kv_cache_tokens,
         max_concurrency=pages.max_concurrency, max_model_len=max_len, tokens=tokens, fits=fits,
+        fits_at_most=fits_at_most, fits_at_least=fits_at_least,
         longest_len=pages.longest_len, utilization_needed=need, available_given=given is not None,
         unsure=unsure, paging=pages, steps=steps,
     )  # fmt: skip
@@ -306,7 +258,9 @@ def _max_position(cfg: Mapping[str, Any]) -> int:
 
 def _layer_bytes(s: Shape, p: Params, dtype: str) -> int:
     """One decoder layer with full attention, in `dtype`: what an MTP drafter adds."""
-    per_layer = p.attention // max(s.full_layers, 1) + (p.experts + p.always + p.router) // s.layers
+    per_layer = (
+        p.attention // max(s.attention_layers, 1) + (p.experts + p.always + p.router) // s.layers
+    )
     return int((per_layer + 2 * s.hidden * s.hidden) * DTYPE_BYTES[dtype])
 
 
@@ -333,8 +287,8 @@ def _vision_bytes(cfg: Mapping[str, Any], dtype: str) -> int:
 def _active_params(s: Shape, p: Params) -> tuple[float, int]:
     """The parameters of one expert in one layer, and those a token passes through: all but the
     experts, and of those the ones it is routed to."""
-    per_expert = (p.experts / (s.layers * s.experts)) if s.experts else 0.0
-    routed = int(s.layers * s.experts_per_tok * per_expert)
+    per_expert = (p.experts / (s.moe_layers * s.experts)) if s.experts and s.moe_layers else 0.0
+    routed = int(s.moe_layers * s.experts_per_tok * per_expert)
     return per_expert, p.attention + p.linear + p.always + p.router + p.lm_head + routed
 
 
@@ -349,7 +303,7 @@ def decode_step(
     bandwidth: float,
 ) -> dict[str, float]:
     """One memory-bound decode step of `batch` requests: the bytes it reads, and its speed."""
-    touched = s.layers * distinct_experts(s.experts, s.experts_per_tok, batch) * per_expert
+    touched = s.moe_layers * distinct_experts(s.experts, s.experts_per_tok, batch) * per_expert
     read = (p.attention + p.linear + p.always + p.router + p.lm_head + touched) * scale
     read += batch * (2 * gdn + kv_per_request)  # each request's GDN state read and written, KV read
     step_s = read / bandwidth
@@ -390,7 +344,7 @@ def plan_options(cfg: Mapping[str, Any], serve: serveflags.Serve, options: Mappi
                  env: Mapping[str, str] | None = None) -> Plan:  # fmt: skip
     """`b70ctl plan`'s own options around vLLM's flags."""
     check_sizes(options)
-    card_bytes, bandwidth = CARDS[options.get("card") or "b70"]
+    bandwidth, card_bytes = CARDS[options.get("card") or "b70"], None
     if options.get("card_gib") is not None:
         card_bytes = int(options["card_gib"] * GIB)
     if options.get("bandwidth_gbs") is not None:

@@ -112,15 +112,25 @@ def check(rt: RuntimeConfig) -> Fit | None:
         p = capacity.plan(cfg, serve_of(rt), env=dict(rt.env))
     except ApplianceError as e:
         return Fit(True, f"not planned: {e.message}", notes=(f"the plan: {e.message}",))
-    if p.fits:
+    if p.fits and p.fits_at_least:
         return Fit(
             True,
             f"one request of {p.max_model_len:,} tokens needs {gib2(p.paging.needed_bytes)} GiB of "
             f"the {gib2(p.available_kv_bytes)} GiB cache; {p.max_concurrency:.2f}x at once",
         )
+    b = p.budget
+    if p.fits or p.fits_at_most:
+        note = (
+            f"runtimes.{rt.name}: one request of {p.max_model_len:,} tokens needs "
+            f"{gib2(p.paging.needed_bytes)} GiB of a cache the plan puts between "
+            f"{gib2(b.least)} and {gib2(b.most)} GiB: it may not fit, so the start goes on "
+            f"and vLLM will say; `b70ctl plan {rt.name}` shows the plan"
+        )
+        return Fit(True, note, notes=(note,))
     why = (
         f"runtimes.{rt.name} cannot hold one request of --max-model-len {p.max_model_len}: "
-        f'vLLM would load for minutes and then stop with "{refusal_line(p)}"'
+        f'vLLM would load for minutes and then stop with "{refusal_line(p)}", and even at the '
+        f"favourable end of the plan's range ({gib2(b.most)} GiB) it would not fit"
     )
     fix = plan_fix(p)
     if p.longest_len or p.utilization_needed is not None:

@@ -31,6 +31,10 @@ Read from vLLM's v1 engine (vllm-project/vllm, 2025-2026):
   rows) and an MTP drafter adds its own attention layer; a user's `--block-size` above the
   kernel's alignment becomes the alignment (`Platform._align_hybrid_block_size`,
   vllm/platforms/interface.py).
+- A sliding-window layer (gpt-oss, Gemma 3 and 4) is an attention layer whose request holds at
+  most its window and one step's tokens, and one block more (`SlidingWindowSpec`); windowed
+  layers are a type of their own when grouping. Multi-head latent attention keeps one latent
+  of kv_lora_rank + rope dim per token and layer, on every card (`MLAAttentionSpec`).
 - KV heads are split over the cards, at least one each (replicated beyond their count:
   `ModelConfig.get_num_kv_heads`); GDN heads must split evenly.
 """
@@ -43,8 +47,8 @@ from typing import TYPE_CHECKING
 
 from appliance.errors import ApplianceError
 
-if TYPE_CHECKING:  # appliance.measure.shape needs nothing from here; kept for typing only
-    from appliance.measure.shape import Shape
+if TYPE_CHECKING:  # appliance.measure.memory.shape needs nothing from here; kept for typing only
+    from appliance.measure.memory.shape import Shape
 
 DEFAULT_ALIGN = 16  # vLLM's attention kernel alignment of block sizes, unless the backend says
 # vLLM on XPU (the B70) rounds a hybrid model's block size up to a multiple of 64 when it has a
@@ -68,6 +72,7 @@ class Paging:
     group_size: int  # layers per group
     attention_groups: int
     state_groups: int
+    window_groups: int  # groups of layers that attend to a window only
     padding_layers: int  # empty places in the last group of each type
     blocks_per_request: int  # for a request of `tokens`
     bytes_per_request: int  # on one card
@@ -103,7 +108,7 @@ def layout(
     s: Shape, *, cards: int, kv_bytes: float, conv_bytes: float, state_bytes: float,
     tokens: int, available_bytes: int, align: int = DEFAULT_ALIGN, spec_tokens: int = 0,
     draft_layers: int = 0, align_mode: bool = False, max_model_len: int | None = None,
-    min_block: int | None = None, old_token_count: bool = False,
+    min_block: int | None = None, old_token_count: bool = False, batched_tokens: int = 2048,
 ) -> Paging:  # fmt: skip
     """The layout of one card's cache, and the requests of `tokens` tokens that it holds.
     `draft_layers`: attention layers a drafter adds (MTP: one); `align_mode`: prefix caching's
@@ -111,42 +116,58 @@ def layout(
     if align < 1:
         raise ApplianceError(f"--block-align {align} must be at least 1", code="plan_input_invalid")
     kv_heads = split_heads(s, cards)
-    per_token = int(kv_heads * 2 * s.head_dim * kv_bytes)
+    # MLA keeps one latent per token, the same on every card
+    per_head = s.latent if s.latent else kv_heads * 2 * s.head_dim
+    per_token = int(per_head * kv_bytes)
     conv_dim = 2 * s.lin_k_heads * s.lin_k_dim + s.lin_v_heads * s.lin_v_dim
     state = int((s.conv_kernel - 1 + spec_tokens) * (conv_dim // cards) * conv_bytes) + int(
         s.lin_v_heads // cards * s.lin_v_dim * s.lin_k_dim * state_bytes
     )
     full = s.full_layers + draft_layers
+    attention = full + s.window_layers
     step = max(align, min_block or 0)
-    if s.linear_layers and full:
+    if s.linear_layers and attention:
         block = step * math.ceil(state / (step * per_token))
         if align == XPU_GDN_ALIGN:
             block = XPU_GDN_ALIGN * math.ceil(block / XPU_GDN_ALIGN)
         block = max(block, min_block or 0)
     else:
         block = min_block or align
-    page = block * per_token if full else state
-    counts = [n for n in (full, s.linear_layers) if n]
+    page = block * per_token if attention else state
+    counts = [n for n in (full, s.window_layers, s.linear_layers) if n]
     small, large = min(counts), max(counts)
     group = large if large < 1.5 * small else small
     attention_groups = math.ceil(full / group)
+    window_groups = math.ceil(s.window_layers / group)
     state_groups = math.ceil(s.linear_layers / group)
     padding = sum(group - n % group for n in counts if n % group)
     per_state = (2 if align_mode else 1) + spec_tokens
     length = max_model_len or tokens
-    per_request = attention_groups * math.ceil(tokens / block) + state_groups * per_state
-    per_max_len = attention_groups * math.ceil(length / block) + state_groups * per_state
+
+    def blocks_of(n: int) -> int:
+        """The blocks of one request of n tokens: a block per block size of tokens in each
+        full-attention group; in each windowed group those of its window and of one step's
+        tokens, and one more (SlidingWindowSpec.max_memory_usage_bytes); the state's."""
+        windowed = math.ceil(min(s.window - 1 + batched_tokens, n) / block) + 1 if s.window else 0
+        return (
+            attention_groups * math.ceil(n / block)
+            + window_groups * windowed
+            + state_groups * per_state
+        )
+
+    per_request = blocks_of(tokens)
+    per_max_len = blocks_of(length)
     blocks = max(available_bytes, 0) // (page * group) if page else 0
     concurrency = blocks / per_max_len if per_max_len else 0.0
-    # One request of length L needs (attention groups x ceil(L / block) + the state's blocks)
-    # blocks of group x page bytes: the longest L that fits, in whole attention blocks.
-    whole = (max(available_bytes, 0) // (page * group) if page else 0) - state_groups * per_state
+    # One request of length L needs blocks_of(L) blocks of group x page bytes: the longest L that
+    # fits, in whole attention blocks (the window's and the state's blocks stop growing).
+    whole = blocks - (blocks_of(length) - attention_groups * math.ceil(length / block))
     if attention_groups:
         longest = (whole // attention_groups) * block if whole > 0 else 0
-    else:  # the state alone: a request of any length takes the same blocks
+    else:  # windows and state alone: past the window, a request of any length takes the same
         longest = length if whole >= 0 and page else 0
     if old_token_count:
-        held = blocks // (attention_groups + state_groups) * block
+        held = blocks // (attention_groups + window_groups + state_groups) * block
     else:
         held = int(concurrency * length)
     return Paging(
@@ -160,6 +181,7 @@ def layout(
         group_size=group,
         attention_groups=attention_groups,
         state_groups=state_groups,
+        window_groups=window_groups,
         padding_layers=padding,
         blocks_per_request=per_request,
         bytes_per_request=per_request * group * page,

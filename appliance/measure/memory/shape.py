@@ -10,11 +10,11 @@ Hybrid Gated-DeltaNet models such as Qwen3-Next included:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from appliance.errors import ApplianceError
+from appliance.measure.memory.archs import Shape, parse_shape
+
+__all__ = ["Shape", "parse_shape"]  # read from config.json in appliance.measure.memory.archs
 
 DTYPE_BYTES = {
     "fp32": 4.0, "float32": 4.0, "fp16": 2.0, "float16": 2.0, "bf16": 2.0, "bfloat16": 2.0,
@@ -31,90 +31,6 @@ QUANT_BITS = {
 }
 
 
-@dataclass(frozen=True)
-class Shape:
-    """The sizes of a model that its memory and its decode step depend on."""
-
-    hidden: int
-    layers: int
-    vocab: int
-    tied: bool
-    full_layers: int
-    linear_layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    gated_attention: bool
-    lin_k_heads: int
-    lin_v_heads: int
-    lin_k_dim: int
-    lin_v_dim: int
-    conv_kernel: int
-    experts: int
-    experts_per_tok: int
-    moe_inter: int
-    shared_inter: int
-    dense_inter: int
-
-
-def _int(cfg: Mapping[str, Any], key: str, default: int | None = None, least: int = 1) -> int:
-    value = cfg.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool):
-        if default is None:
-            raise ApplianceError(
-                f"config.json: {key} is missing or not an integer",
-                hint="pass the model's Hugging Face config.json",
-                code="plan_input_invalid",
-            )
-        value = default
-    if value < least:
-        raise ApplianceError(
-            f"config.json: {key} is {value}; it must be at least {least}",
-            hint="pass the model's Hugging Face config.json",
-            code="plan_input_invalid",
-        )
-    return value
-
-
-def parse_shape(cfg: Mapping[str, Any]) -> Shape:
-    text = cfg.get("text_config")
-    if isinstance(text, dict):  # multimodal configs nest the language model
-        cfg = {**cfg, **text}
-    layers = _int(cfg, "num_hidden_layers")
-    types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == layers:
-        full = sum(1 for t in types if t == "full_attention")
-    elif "full_attention_interval" in cfg:
-        interval = _int(cfg, "full_attention_interval")
-        full = layers // interval
-    else:
-        full = layers
-    heads = _int(cfg, "num_attention_heads")
-    hidden = _int(cfg, "hidden_size")
-    return Shape(
-        hidden=hidden,
-        layers=layers,
-        vocab=_int(cfg, "vocab_size"),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        full_layers=full,
-        linear_layers=layers - full,
-        heads=heads,
-        kv_heads=_int(cfg, "num_key_value_heads", heads),
-        head_dim=_int(cfg, "head_dim", hidden // heads),
-        gated_attention=bool(cfg.get("attn_output_gate", False)),
-        lin_k_heads=_int(cfg, "linear_num_key_heads", 0, least=0),
-        lin_v_heads=_int(cfg, "linear_num_value_heads", 0, least=0),
-        lin_k_dim=_int(cfg, "linear_key_head_dim", 0, least=0),
-        lin_v_dim=_int(cfg, "linear_value_head_dim", 0, least=0),
-        conv_kernel=_int(cfg, "linear_conv_kernel_dim", 4),
-        experts=_int(cfg, "num_experts", 0, least=0),
-        experts_per_tok=_int(cfg, "num_experts_per_tok", 0, least=0),
-        moe_inter=_int(cfg, "moe_intermediate_size", 0, least=0),
-        shared_inter=_int(cfg, "shared_expert_intermediate_size", 0, least=0),
-        dense_inter=_int(cfg, "intermediate_size", 0, least=0),
-    )
-
-
 def gdn_state_bytes(s: Shape, state_dtype: str) -> int:
     return int(
         s.lin_v_heads * s.lin_k_dim * s.lin_v_dim * s.linear_layers * DTYPE_BYTES[state_dtype]
@@ -127,7 +43,10 @@ def conv_state_bytes(s: Shape, dtype: str) -> int:
 
 
 def kv_bytes_per_token(s: Shape, kv_dtype: str) -> int:
-    return int(2 * s.kv_heads * s.head_dim * s.full_layers * DTYPE_BYTES[kv_dtype])
+    """The KV cache of one token in every attention layer (windowed ones too): a key and a
+    value per KV head, or multi-head latent attention's one latent."""
+    per_layer = s.latent if s.latent else 2 * s.kv_heads * s.head_dim
+    return int(per_layer * s.attention_layers * DTYPE_BYTES[kv_dtype])
 
 
 @dataclass(frozen=True)
@@ -150,27 +69,37 @@ class Params:
         )  # fmt: skip
 
 
-def count_params(s: Shape) -> Params:
+def attention_params(s: Shape) -> int:
+    """One attention layer's projections: q, k, v and o, or MLA's (DeepSeek: q through its
+    LoRA rank where it has one, the joint KV down-projection to the latent and the rope key,
+    its up-projection to keys and values, and o)."""
+    if s.latent:
+        q_dim = s.heads * (s.nope_dim + s.rope_dim)
+        q = s.hidden * s.q_lora + s.q_lora * q_dim if s.q_lora else s.hidden * q_dim
+        kv = s.hidden * s.latent + (s.latent - s.rope_dim) * s.heads * (s.nope_dim + s.v_head_dim)
+        return q + kv + s.heads * s.v_head_dim * s.hidden
     q_out = s.heads * s.head_dim * (2 if s.gated_attention else 1)
-    attn = (
+    return (
         s.hidden * q_out + 2 * s.hidden * s.kv_heads * s.head_dim + s.heads * s.head_dim * s.hidden
     )
+
+
+def count_params(s: Shape) -> Params:
     key_dim, value_dim = s.lin_k_heads * s.lin_k_dim, s.lin_v_heads * s.lin_v_dim
     gdn = s.hidden * (2 * key_dim + 2 * value_dim)  # in_proj_qkvz
     gdn += s.hidden * 2 * s.lin_v_heads  # in_proj_ba
     gdn += (2 * key_dim + value_dim) * s.conv_kernel  # conv1d
     gdn += value_dim * s.hidden  # out_proj
-    if s.experts:
-        experts = s.layers * s.experts * 3 * s.hidden * s.moe_inter
-        always = s.layers * 3 * s.hidden * s.shared_inter
-        router = s.layers * (s.hidden * s.experts + s.hidden)
-    else:
-        experts = router = 0
-        always = s.layers * 3 * s.hidden * s.dense_inter
+    dense_layers = s.layers - s.moe_layers
+    experts = s.moe_layers * s.experts * 3 * s.hidden * s.moe_inter
+    always = (
+        s.moe_layers * 3 * s.hidden * s.shared_inter + dense_layers * 3 * s.hidden * s.dense_inter
+    )
+    router = s.moe_layers * (s.hidden * s.experts + s.hidden) if s.experts else 0
     return Params(
         embed=s.vocab * s.hidden,
         lm_head=0 if s.tied else s.vocab * s.hidden,
-        attention=s.full_layers * attn,
+        attention=s.attention_layers * attention_params(s),
         linear=s.linear_layers * gdn,
         experts=experts,
         always=always,

@@ -7,7 +7,8 @@ and which linear layers it covers.
   bits a weight (the GPTQ format, AutoGPTQ's and GPTQModel's READMEs).
 - FP8 stores one byte a weight; its scales (per tensor, channel or 128 x 128 block) round to
   nothing (vLLM's Fp8Config).
-- NVFP4 stores 4 bits a weight and an FP8 scale per 16 (NVIDIA ModelOpt's NVFP4 format): 4.5.
+- NVFP4 stores 4 bits a weight and an FP8 scale per 16 (NVIDIA ModelOpt's NVFP4 format): 4.5;
+  MXFP4 an 8-bit scale per 32 (OCP Microscaling Formats): 4.25.
 - Layers a config leaves out (`modules_to_not_convert`, `ignore`, GPTQModel's `-:` entries of
   `dynamic`, AutoRound's 16-bit `extra_config`) stay in the model's dtype.
 The B70 community image (ghcr.io/riceharvest/b70-vllm) casts the layers its `B70_LINEAR_FP8_RE`
@@ -21,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from appliance.measure.shape import PARTS
+from appliance.measure.memory.shape import PARTS
 
 INT_METHODS = {
     "gptq": "gptq", "gptq_marlin": "gptq", "gptq_bitblas": "gptq", "awq": "awq",
@@ -30,7 +31,10 @@ INT_METHODS = {
     "compressed_tensors": "compressed",
 }  # fmt: skip
 FP8_METHODS = {"fp8", "ptpc_fp8", "fbgemm_fp8", "modelopt", "fp8_per_block"}
-FP4_METHODS = {"modelopt_fp4", "modelopt_mixed", "nvfp4", "mxfp4", "modelopt_mxfp4"}
+FP4_METHODS = {"modelopt_fp4", "modelopt_mixed", "nvfp4"}
+# MXFP4 (gpt-oss): blocks of 32 FP4 values share one 8-bit power-of-two scale (the OCP
+# Microscaling Formats spec): 4.25 bits a weight.
+MX_METHODS = {"mxfp4", "modelopt_mxfp4"}
 # A name of each part's layers, for a layer pattern to be matched against.
 REPRESENTATIVE = {
     "attention": ("self_attn.qkv_proj", "self_attn.o_proj"),
@@ -110,6 +114,8 @@ def resolve(
         per = 8.0
     elif method in FP4_METHODS:
         per = 4.5
+    elif method in MX_METHODS:
+        per = 4.25
     else:
         per = 4.5 if "fp4" in method else 8.0 if "fp8" in method else None  # type: ignore[assignment]
         unsure.append(
